@@ -1,0 +1,63 @@
+"""Run a function on N gloo ranks in fresh processes and collect what each returns.
+
+Workers must be importable module-level functions (spawned children unpickle them by name), called as
+``fn(rank, world_size, *args)``. They run with the project's process group already initialised through
+``track_1_short.distributed.init`` and return picklable values (tensors are moved to the CPU by the caller).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _child(fn, rank, world_size, init_file, args, queue):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One thread a rank: two ranks on a 2-core machine must not oversubscribe it.
+    import torch
+
+    torch.set_num_threads(1)
+    from track_1_short import distributed
+
+    try:
+        distributed.init("cpu", rank=rank, world_size=world_size, init_method=f"file://{init_file}")
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - the traceback goes back to the test
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        distributed.destroy()
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
+    """Return ``[fn(0, W, *args), ..., fn(W-1, W, *args)]``, each computed in its own process."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_child, args=(fn, r, world_size, init_file, args, queue)) for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, object] = {}
+        errors: list[str] = []
+        try:
+            for _ in range(world_size):
+                rank, status, payload = queue.get(timeout=timeout_s)
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    errors.append(f"rank {rank} failed:\n{payload}")
+                    break
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return [results[r] for r in range(world_size)]
