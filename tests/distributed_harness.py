@@ -39,7 +39,8 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_child, args=(fn, r, world_size, init_file, args, queue)) for r in range(world_size)
+            ctx.Process(target=_child, args=(fn, r, world_size, init_file, args, queue))
+            for r in range(world_size)
         ]
         for p in procs:
             p.start()
