@@ -1,0 +1,116 @@
+"""The schedule's pure functions against the upstream record's published values (upstream-optim 6.1)."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from track_1_short import schedule
+from track_1_short.schedule import ScheduleConfig, StageConfig
+
+CONFIGS = __import__("pathlib").Path(__file__).resolve().parents[1] / "configs"
+
+
+def load(name: str) -> ScheduleConfig:
+    merged = OmegaConf.merge(
+        OmegaConf.structured(ScheduleConfig), OmegaConf.load(CONFIGS / "schedule" / f"{name}.yaml")
+    )
+    return OmegaConf.to_object(merged)
+
+
+@pytest.fixture(scope="module")
+def track1() -> ScheduleConfig:
+    return load("track1")
+
+
+def test_track1_stage_boundaries_and_token_volume_match_the_record(track1):
+    assert schedule.total_steps(track1) == 1194
+    assert schedule.main_steps(track1) == 1174
+    assert schedule.stage_starts(track1) == [0, 320, 681, 1107, 1174]
+    assert schedule.flops_budget_tokens(track1) == 328_663_040  # upstream-model 1.3
+
+
+def test_track1_lr_multiplier_matches_published_effective_values(track1):
+    # Published to 2 decimals: 1.41 at 320, 1.05 at 681, 0.39 at 1107; constant before step 234 = int(1174*0.2).
+    assert schedule.lr_multiplier(track1, 0) == 1.0
+    assert schedule.lr_multiplier(track1, 234) == 1.0
+    assert schedule.lr_multiplier(track1, 235) < 1.0
+    assert round(schedule.lr_multiplier(track1, 320), 2) == 1.41
+    assert round(schedule.lr_multiplier(track1, 681), 2) == 1.05
+    assert round(schedule.lr_multiplier(track1, 1107), 2) == 0.39
+    assert [schedule.lr_multiplier(track1, s) for s in (1174, 1193)] == [0.30, 0.30]
+
+
+def test_track1_rail_beta_matches_published_values(track1):
+    got = [schedule.rail_beta(track1, s) for s in (0, 120, 240, 1144, 1193)]
+    assert got == pytest.approx([0.85, 0.89, 0.93, 0.93, 0.8516], abs=1e-12)
+
+
+def test_lr_multiplier_is_continuous_inside_the_cooldown_of_one_stage(track1):
+    # Within a stage the cooldown is linear: equal steps give equal decrements (up to float rounding).
+    d1 = schedule.lr_multiplier(track1, 400) - schedule.lr_multiplier(track1, 401)
+    d2 = schedule.lr_multiplier(track1, 500) - schedule.lr_multiplier(track1, 501)
+    assert d1 > 0 and d1 == pytest.approx(d2, rel=1e-9)
+
+
+def test_adam_runs_on_odd_steps_for_cadence_two():
+    assert [schedule.do_adam(s, 2) for s in range(6)] == [False, True, False, True, False, True]
+    assert all(schedule.do_adam(s, 1) for s in range(4))
+    assert [schedule.do_adam(s, 3) for s in range(6)] == [False, False, True, False, False, True]
+    with pytest.raises(ValueError, match="adam_every"):
+        schedule.do_adam(0, 0)
+
+
+def test_mtp_weights_lerp_across_the_stage(track1):
+    assert schedule.mtp_weights(track1, 0) == [1.0, 0.5, 0.25]
+    assert schedule.mtp_weights(track1, 319) == pytest.approx([1.0, 0.5, 0.0], abs=1e-12)
+    assert schedule.mtp_weights(track1, 320) == [1.0, 0.5]
+    assert schedule.mtp_weights(track1, 700) == [1.0]
+
+
+def test_embed_split_fires_exactly_once_at_the_configured_step(track1):
+    assert [s for s in range(1194) if schedule.embed_split(track1, s)] == [1175]
+    never = ScheduleConfig(split_embed_step=-1)
+    assert not any(schedule.embed_split(never, s) for s in range(schedule.total_steps(never)))
+
+
+def test_plan_gathers_the_stage_geometry(track1):
+    p = schedule.plan(track1, 700, adam_every=2)
+    assert (p.stage, p.batch_tokens, p.max_doc_len, p.windows) == (2, 393216, 3072, (5, 11))
+    assert p.do_adam is False and schedule.plan(track1, 701, 2).do_adam is True
+    assert schedule.val_windows(track1) == (6, 20)
+
+
+def test_warmup_steps_cover_every_transition_and_the_split(track1):
+    steps = schedule.warmup_steps(track1, adam_every=2)
+    for start in (320, 681, 1107, 1174):
+        assert {start - 2, start - 1, start, start + 1} <= set(steps)
+    assert {0, 1, 1175, 1176, 1177, 1178} <= set(steps)
+    assert steps == sorted(set(steps)) and max(steps) < 1194
+
+
+def test_step_outside_the_schedule_is_rejected(track1):
+    with pytest.raises(ValueError, match="outside"):
+        schedule.lr_multiplier(track1, 1194)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"stages": []}, "empty"),
+        ({"stages": [StageConfig(steps=0)]}, "positive"),
+        ({"stages": [StageConfig(window_short=4, window_long=2)]}, "window"),
+        ({"stages": [StageConfig(mtp_weights=[1.0, 0.5], mtp_weights_end=[1.0])]}, "mtp_weights_end"),
+        ({"stages": [StageConfig(extension=True), StageConfig()]}, "extension"),
+        ({"stages": [StageConfig(extension=True)]}, "main stage"),
+        ({"cooldown_frac": 1.5}, "cooldown_frac"),
+        ({"split_embed_step": -3}, "split_embed_step"),
+    ],
+)
+def test_impossible_schedules_are_rejected_with_the_field_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ScheduleConfig(**kwargs)
+
+
+def test_every_schedule_preset_is_valid():
+    for path in sorted((CONFIGS / "schedule").glob("*.yaml")):
+        cfg = load(path.stem)
+        assert schedule.total_steps(cfg) > 0
