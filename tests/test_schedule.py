@@ -29,7 +29,7 @@ def test_track1_stage_boundaries_and_token_volume_match_the_record(track1):
 
 
 def test_track1_lr_multiplier_matches_published_effective_values(track1):
-    # Published to 2 decimals: 1.41 at 320, 1.05 at 681, 0.39 at 1107; constant before step 234 = int(1174*0.2).
+    # Published to 2 decimals: 1.41 at 320, 1.05 at 681, 0.39 at 1107; flat until step int(1174*0.2).
     assert schedule.lr_multiplier(track1, 0) == 1.0
     assert schedule.lr_multiplier(track1, 234) == 1.0
     assert schedule.lr_multiplier(track1, 235) < 1.0

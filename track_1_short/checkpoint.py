@@ -44,7 +44,7 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}.pt"
 
 
-# -- model state by label ---------------------------------------------------------------------------------------
+# -- model state by label --
 def _labelled(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     out: dict[str, torch.nn.Parameter] = {}
     for name, p in model.named_parameters():
@@ -61,7 +61,7 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_model_state_(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy ``state`` into the model's parameters in place; check every label and shape before touching any."""
+    """Copy ``state`` into the model's parameters in place; checks every label and shape first."""
     params = _labelled(model)
     missing = sorted(set(params) - set(state))
     unknown = sorted(set(state) - set(params))
@@ -81,7 +81,7 @@ def load_model_state_(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
             p.copy_(state[label])
 
 
-# -- RNG --------------------------------------------------------------------------------------------------------
+# -- RNG --
 def capture_rng() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state: dict[str, Any] = {
@@ -112,7 +112,7 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# -- finiteness -------------------------------------------------------------------------------------------------
+# -- finiteness --
 def assert_finite(tree: Any, where: str = "checkpoint") -> None:
     """Raise NonFiniteError naming the first floating tensor (or float) in ``tree`` with NaN or inf."""
     if isinstance(tree, torch.Tensor):
@@ -129,7 +129,7 @@ def assert_finite(tree: Any, where: str = "checkpoint") -> None:
             assert_finite(v, f"{where}[{i}]")
 
 
-# -- files ------------------------------------------------------------------------------------------------------
+# -- files --
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)

@@ -7,8 +7,8 @@
     <run_dir>/config.yaml   the resolved config, written before step 0
     <run_dir>/env.json      versions and devices
 
-Step numbers in progress lines count completed steps (upstream): the line after the last training step, and the
-final validation, read ``step:M/M``. A run is finished when it has a val event at step == total_steps.
+Step numbers in progress lines count completed steps (upstream): the line after the last training step, and
+the final validation, read ``step:M/M``. A run is finished when it has a val event at step == total_steps.
 Files are block-buffered and flushed by :meth:`RunLog.flush`, which the training loop calls while the clock is
 stopped, so disk writes do not land on the timed path.
 """
@@ -154,7 +154,7 @@ class RunLog:
         progress_line: bool = False,
         **extra: Any,
     ) -> None:
-        """A completed training step (``step`` = steps done); ``progress_line`` also writes the upstream line."""
+        """A completed step (``step`` = steps done); ``progress_line`` also writes the upstream line."""
         self.event(
             "train",
             step=step,

@@ -1,14 +1,14 @@
 """The training schedule: what every step trains on and with which multipliers, as pure functions of the step.
 
-A run is a list of stages, each a number of steps with one global batch size (tokens), one document length cap
-(tokens), one pair of attention windows (short, long; in 128-token blocks) and one lr multiplier. On top of the
-stages:
+A run is a list of stages, each a number of steps with one global batch size (tokens), one document length
+cap (tokens), one pair of attention windows (short, long; in 128-token blocks) and one lr multiplier. On top
+of the stages:
 
 - the lr multiplier cools down linearly from the stage's own multiplier to ``lr_floor``, starting at
-  ``(1 - cooldown_frac)`` of the main stages and reaching the floor where the main stages end; extension stages
-  (``extension: true``, after the main stages) run at the floor;
-- the ANVIL fast-rail beta warms up from ``rail_beta_start`` to ``rail_beta_peak`` over ``rail_warmup_steps`` and
-  cools down to ``rail_beta_end`` over the last ``rail_cooldown_steps`` steps;
+  ``(1 - cooldown_frac)`` of the main stages and reaching the floor where the main stages end; extension
+  stages (``extension: true``, after the main stages) run at the floor;
+- the ANVIL fast-rail beta warms up from ``rail_beta_start`` to ``rail_beta_peak`` over
+  ``rail_warmup_steps`` and cools down to ``rail_beta_end`` over the last ``rail_cooldown_steps`` steps;
 - Adam runs on steps with ``step % adam_every == adam_every - 1`` (the cadence lives in OptimConfig);
 - the tied embedding splits from lm_head after ``split_embed_step``.
 
