@@ -1,0 +1,172 @@
+"""Regenerate perf/RESULTS.md from the bench JSON files in perf/results/; RESULTS.md is never edited by hand.
+
+    python perf/results.py            # read perf/results/*.json, write perf/RESULTS.md
+    python perf/results.py --check    # exit 1 if perf/RESULTS.md differs from what the JSON files give
+
+One section per JSON file (sorted by name), each with the date, device, torch and triton versions and the
+exact command that produced it (run from the repository root), then one table of the file's rows. A row key
+``<name>_floor`` is the floor of ``<name>`` (what the hardware allows) and is printed in the column beside it.
+The file format is defined by track_1_short/perf/bench_meta.py; a file without its keys is refused, naming the
+file, before anything is written. The output depends only on the JSON files, so it is reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from track_1_short.perf.bench_meta import check_bench_payload
+
+PERF_DIR = Path(__file__).resolve().parent
+REGENERATE = "python perf/results.py"
+FLOOR_SUFFIX = "_floor"
+# Top-level keys rendered in a section's header lines rather than as "other" facts.
+HEADER_KEYS = ("title", "command", "date", "device", "torch", "triton", "cuda", "python", "git_commit")
+
+
+def _display_path(path: Path) -> str:
+    try:
+        return path.resolve().relative_to(PERF_DIR.parent).as_posix()
+    except ValueError:  # results kept outside the checkout
+        return path.name
+
+
+def load_results(results_dir: Path) -> list[tuple[str, dict]]:
+    """(file, payload) for every ``*.json`` under ``results_dir``, sorted by file name; each one checked."""
+    if not results_dir.is_dir():
+        raise ValueError(
+            f"results directory {results_dir} does not exist; run a bench script with --out first."
+        )
+    loaded = []
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            payload = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e}); rerun the bench script that wrote it.") from None
+        check_bench_payload(payload, str(path))
+        loaded.append((_display_path(path), payload))
+    return loaded
+
+
+def format_value(value: object) -> str:
+    """A table cell: floats to a precision that suits their size, None as a dash, pipes escaped."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        magnitude = abs(value)
+        if magnitude >= 1000:
+            return f"{value:,.0f}"
+        if magnitude >= 100:
+            return f"{value:.1f}"
+        if magnitude >= 1 or magnitude == 0:
+            return f"{value:.2f}"
+        return f"{value:.3g}"
+    if isinstance(value, int):
+        return f"{value:,}" if abs(value) >= 10_000 else str(value)
+    if isinstance(value, list):
+        return ", ".join(format_value(v) for v in value)
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def table_columns(rows: list[dict]) -> list[tuple[str, str]]:
+    """(key, header) in first-seen key order, each ``<name>_floor`` moved right after ``<name>``."""
+    keys: list[str] = []
+    for row in rows:
+        keys.extend(k for k in row if k not in keys)
+    floors = {k for k in keys if k.endswith(FLOOR_SUFFIX) and k[: -len(FLOOR_SUFFIX)] in keys}
+    columns = []
+    for k in keys:
+        if k in floors:
+            continue
+        columns.append((k, k))
+        if k + FLOOR_SUFFIX in floors:
+            columns.append((k + FLOOR_SUFFIX, f"{k} (floor)"))
+    return columns
+
+
+def render_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return ["(no rows)"]
+    columns = table_columns(rows)
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(format_value(row.get(k)) for k, _ in columns) + " |")
+    return lines
+
+
+def render_section(file: str, payload: dict) -> list[str]:
+    versions = f"torch {payload['torch']}, triton {format_value(payload['triton'])}"
+    if payload.get("cuda"):
+        versions += f", CUDA {payload['cuda']}"
+    if payload.get("python"):
+        versions += f", Python {payload['python']}"
+    lines = [f"## {payload.get('title') or Path(file).stem}", ""]
+    lines.append(f"- File: `{file}`")
+    lines.append(f"- Date: {payload['date']}")
+    lines.append(f"- Device: {payload['device']}")
+    lines.append(f"- Versions: {versions}")
+    if payload.get("git_commit"):
+        lines.append(f"- Commit: {payload['git_commit']}")
+    lines.append(f"- Command: `{payload['command']}`")
+    for key, value in payload.items():
+        if key in HEADER_KEYS or key in ("rows", "notes"):
+            continue
+        lines.append(f"- {key}: {format_value(value)}")
+    lines.append("")
+    lines.extend(render_table(payload["rows"]))
+    notes = payload.get("notes", [])
+    if notes:
+        lines.append("")
+        lines.extend(f"- {note}" for note in notes)
+    lines.append("")
+    return lines
+
+
+def render(results: list[tuple[str, dict]]) -> str:
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Generated by `{REGENERATE}` from the JSON files in perf/results/; do not edit by hand.",
+        "Each section gives the command that produced it (run from the repository root) and the machine it",
+        "ran on.",
+        'A "(floor)" column is what the hardware allows for the figure to its left.',
+        "",
+    ]
+    if not results:
+        lines += [
+            "No results yet: run `bash perf/run_gpu.sh` on a GPU machine, then commit perf/results/.",
+            "",
+        ]
+    for file, payload in results:
+        lines.extend(render_section(file, payload))
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--results-dir", type=Path, default=PERF_DIR / "results", help="where the JSON files are"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=PERF_DIR / "RESULTS.md", help="the markdown file to write"
+    )
+    parser.add_argument("--check", action="store_true", help="compare with --out instead of writing it")
+    args = parser.parse_args(argv)
+    text = render(load_results(args.results_dir))
+    if args.check:
+        current = args.out.read_text() if args.out.exists() else ""
+        if current != text:
+            print(f"{args.out} is out of date with {args.results_dir}; run `{REGENERATE}`.", file=sys.stderr)
+            return 1
+        return 0
+    args.out.write_text(text)
+    print(f"wrote {args.out} from {sum(1 for _ in args.results_dir.glob('*.json'))} result file(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

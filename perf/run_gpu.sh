@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Every GPU claim of the project in one command, on a fresh GPU machine with no network. Run from anywhere:
+#   bash perf/run_gpu.sh                         # all stages, in this order:
+#   bash perf/run_gpu.sh tests train_step results   # or only the named ones (to fit a per-command time limit)
+# Stages: tests           python3 -m pytest -m gpu -q                       (log: pytest_gpu.log)
+#         replicated_adam perf/bench_replicated_adam.py -> perf/results/replicated_adam.json
+#         optimizer       perf/bench_optimizer.py       -> perf/results/optimizer.json
+#         train_step      perf/bench_train_step.py      -> perf/results/train_step.json
+#         results         perf/results.py               -> perf/RESULTS.md (from every JSON in perf/results/)
+# The image has torch, triton, numpy, scipy, matplotlib, tqdm and pytest but not hydra-core, omegaconf or antlr4:
+# their wheels travel in .whl/ and are installed into .site/; nothing else is installed.
+# A failing stage is reported loudly and the later stages still run (a GPU hour is scarce); the script then exits 1
+# naming the failed stages. If $OUT is set, the logs, the JSON written by this run and RESULTS.md are copied
+# there (flat names, at most 6 files) whatever happened, including an early failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+all_stages=(tests replicated_adam optimizer train_step results)
+stages=("$@")
+[[ ${#stages[@]} -gt 0 ]] || stages=("${all_stages[@]}")
+for s in "${stages[@]}"; do
+  [[ " ${all_stages[*]} " == *" $s "* ]] || { echo "run_gpu.sh: unknown stage '$s'; stages: ${all_stages[*]}" >&2; exit 2; }
+done
+
+logs=$(mktemp -d "${TMPDIR:-/tmp}/run_gpu.XXXXXX")
+written=()   # JSON files this run wrote
+failed=()
+
+copy_out() {
+  local rc=$?
+  if [[ -n ${OUT:-} ]]; then
+    mkdir -p "$OUT"
+    for f in "$logs/pytest_gpu.log" "$logs/bench.log" "${written[@]}"; do
+      [[ -f $f ]] && cp "$f" "$OUT/$(basename "$f")"
+    done
+    [[ " ${stages[*]} " == *" results "* && -f perf/RESULTS.md ]] && cp perf/RESULTS.md "$OUT/RESULTS.md"
+    echo "run_gpu.sh: copied $(ls "$OUT" | wc -l) file(s) to \$OUT"
+  fi
+  if [[ ${#failed[@]} -gt 0 ]]; then
+    echo "run_gpu.sh: FAILED stage(s): ${failed[*]} (logs in $logs)" >&2
+    rc=1
+  elif [[ $rc -ne 0 ]]; then
+    echo "run_gpu.sh: FAILED before the stages finished (exit $rc; logs in $logs)" >&2
+  else
+    echo "run_gpu.sh: all stages passed: ${stages[*]}"
+  fi
+  exit "$rc"
+}
+trap copy_out EXIT
+
+# Hydra and OmegaConf: use what is importable, else install the carried wheels (no index, no dependencies).
+if ! python3 -c "import hydra, omegaconf" 2>/dev/null; then
+  if ! compgen -G ".whl/*.whl" >/dev/null; then
+    echo "run_gpu.sh: hydra-core/omegaconf are not importable and .whl/ holds no wheels; put the wheels of" \
+      "hydra-core 1.3.8, omegaconf 2.3.1 and antlr4-python3-runtime 4.9.3 in .whl/ (pip download / pip wheel)." >&2
+    exit 1
+  fi
+  python3 -m pip install -q --no-index --no-deps --upgrade --target .site .whl/*.whl
+fi
+export PYTHONPATH="$root/.site:$root:${PYTHONPATH:-}"
+export PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1
+
+{
+  echo "run_gpu.sh: stages ${stages[*]}; $(date -u +%FT%TZ)"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
+    'cuda', torch.version.cuda, 'devices', [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])"
+  nvidia-smi 2>/dev/null || echo "(no nvidia-smi)"
+} 2>&1 | tee "$logs/bench.log"
+# Only the results stage may run without a GPU: every other stage would measure or skip nothing and look green.
+if [[ ${stages[*]} != results ]] && ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  echo "run_gpu.sh: no CUDA device visible to torch; stages other than 'results' need one." | tee -a "$logs/bench.log" >&2
+  exit 1
+fi
+
+run_stage() {  # name command...: run it, report its time, remember a failure and go on
+  local name=$1 start=$SECONDS rc=0
+  shift
+  echo "=== $name: $*" | tee -a "$logs/bench.log"
+  "$@" || rc=$?
+  if [[ $rc -eq 0 ]]; then
+    echo "=== $name: ok in $((SECONDS - start)) s" | tee -a "$logs/bench.log"
+  else
+    echo "=== $name: FAILED with exit $rc after $((SECONDS - start)) s" | tee -a "$logs/bench.log" >&2
+    failed+=("$name")
+  fi
+}
+
+gpu_tests() {
+  python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$logs/pytest_gpu.log"
+}
+
+bench() {  # name: perf/bench_<name>.py --out perf/results/<name>.json
+  local script="perf/bench_$1.py" json="perf/results/$1.json"
+  [[ -f $script ]] || { echo "$script does not exist" >&2; return 1; }
+  python3 "$script" --out "$json" 2>&1 | tee -a "$logs/bench.log" || return
+  written+=("$root/$json")
+}
+
+results_md() {
+  python3 perf/results.py 2>&1 | tee -a "$logs/bench.log"
+}
+
+for s in "${stages[@]}"; do
+  case $s in
+    tests) run_stage tests gpu_tests ;;
+    results) run_stage results results_md ;;
+    *) run_stage "$s" bench "$s" ;;
+  esac
+done
