@@ -1,1 +1,1 @@
-"""Command-line tools; a package so that tests can import their logic (``from tools.record_gate import ...``)."""
+"""Command-line tools; a package so that tests can import their logic."""
