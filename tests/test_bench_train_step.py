@@ -1,0 +1,168 @@
+"""The parts of perf/bench_train_step.py that decide its figures: shapes, data, timing, kernel classes."""
+
+import importlib.util
+import math
+import sys
+
+import pytest
+import torch
+
+from track_1_short.perf.bench_meta import REPO_ROOT
+from track_1_short.schedule import ScheduleConfig, StageConfig
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location(
+        "perf_bench_train_step", REPO_ROOT / "perf" / "bench_train_step.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench()
+
+
+def track1_schedule() -> ScheduleConfig:
+    return bench.load_structured(ScheduleConfig, REPO_ROOT / "configs" / "schedule" / "track1.yaml")
+
+
+def test_stage_shapes_are_the_records_per_rank_microbatches():
+    stage0, stage2 = bench.stage_shapes(track1_schedule(), [0, 2], tiny=False)
+    assert (stage0.tokens, stage0.windows, stage0.max_doc_len, stage0.first_step) == (16384, (1, 3), 896, 0)
+    assert stage0.mtp_weights == [1.0, 0.5, 0.25]
+    assert (stage2.tokens, stage2.windows, stage2.max_doc_len, stage2.first_step) == (
+        49152,
+        (5, 11),
+        3072,
+        681,
+    )
+    assert stage2.mtp_weights == [1.0]
+
+
+def test_tiny_shapes_keep_the_stage_windows_at_a_small_size():
+    (shape,) = bench.stage_shapes(track1_schedule(), [2], tiny=True)
+    assert (shape.tokens, shape.max_doc_len, shape.windows) == (
+        bench.TINY_TOKENS,
+        bench.TINY_MAX_DOC_LEN,
+        (5, 11),
+    )
+
+
+def test_a_stage_outside_the_schedule_is_refused():
+    schedule = ScheduleConfig(stages=[StageConfig()])
+    with pytest.raises(ValueError, match="stage 3 does not exist; the schedule has 1 stages"):
+        bench.stage_shapes(schedule, [3], tiny=False)
+
+
+def test_a_missing_config_file_is_refused_by_name(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.yaml does not exist"):
+        bench.load_structured(ScheduleConfig, tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(("tokens", "cap"), [(16384, 896), (49152, 3072), (512, 160), (7, 3)])
+def test_documents_fill_the_batch_exactly_within_the_cap(tokens, cap):
+    lengths = bench.document_lengths(tokens, cap, torch.Generator().manual_seed(1))
+    assert sum(lengths) == tokens
+    assert min(lengths) >= 1 and max(lengths) <= cap
+
+
+def test_document_lengths_follow_the_capped_log_normal():
+    # Log-normal, median 400, sigma 1, capped at 3072: mean 624.6 and sd 644 (numerical integration), so ~2500
+    # documents give the mean to +-39 and the median to +-31 at 3 standard errors; another law falls outside.
+    lengths = bench.document_lengths(49152 * 32, 3072, torch.Generator().manual_seed(0))
+    mean = sum(lengths) / len(lengths)
+    median = sorted(lengths)[len(lengths) // 2]
+    assert abs(mean - 624.6) < 39, mean
+    assert abs(median - 400) < 31, median
+
+
+def test_synthetic_batch_is_shifted_whole_documents_starting_with_bos():
+    (shape,) = bench.stage_shapes(track1_schedule(), [0], tiny=True)
+    batches = bench.synthetic_batches(shape, vocab_size=100, bos_id=99, device="cpu", seed=3)
+    assert len(batches) == bench.BATCHES_PER_STAGE
+    for b in batches:
+        assert (
+            b.inputs.dtype == torch.int32
+            and b.targets.dtype == torch.int64
+            and b.cu_seqlens.dtype == torch.int32
+        )
+        assert b.inputs.shape == b.targets.shape == (shape.tokens,)
+        assert torch.equal(b.inputs[1:].long(), b.targets[:-1])
+        assert b.cu_seqlens[0] == 0 and b.cu_seqlens[-1] == shape.tokens
+        assert bool((b.cu_seqlens.diff() > 0).all())
+        assert bool((b.inputs[b.cu_seqlens[:-1].long()] == 99).all())
+        assert int(b.inputs.max()) < 100 and int(b.inputs.min()) >= 0
+        assert torch.equal(b.cu_seqlens, batches[0].cu_seqlens)  # one boundary set: one compiled graph
+    assert not torch.equal(batches[0].inputs, batches[1].inputs)
+
+
+def test_step_times_run_from_each_start_to_the_next():
+    # marks: start, after forward, after backward per step, then a closing mark
+    marks = [0.0, 2.0, 5.0, 7.0, 8.0, 11.0, 15.0]
+    assert bench.step_times(marks, 2) == [(2.0, 3.0, 2.0), (1.0, 3.0, 4.0)]
+    with pytest.raises(ValueError, match="expected 7 marks for 2 steps, got 6"):
+        bench.step_times(marks[:-1], 2)
+
+
+def test_cycle_mean_weighs_per_kind_medians_by_the_cadence():
+    adam = [False, True] * 3 + [False]
+    per_step = [10.0, 30.0, 11.0, 31.0, 100.0, 29.0, 12.0]  # one outlier among the steps without Adam
+    assert bench.cycle_mean(per_step, adam, 2) == (30.0 + 11.5) / 2
+    assert bench.cycle_mean([5.0, 7.0, 6.0], [True] * 3, 1) == 6.0
+    with pytest.raises(ValueError, match="both kinds of step"):
+        bench.cycle_mean([1.0, 2.0], [True, True], 2)
+
+
+def test_cpu_timer_marks_are_ordered_and_start_at_zero():
+    with bench.Timer(torch.device("cpu")) as timer:
+        for _ in range(3):
+            timer.mark()
+            torch.ones(64, 64) @ torch.ones(64, 64)
+    marks = timer.elapsed_ms()
+    assert marks[0] == 0.0 and marks == sorted(marks) and len(marks) == 3
+
+
+def test_matmul_rate_is_positive_and_finite_on_cpu():
+    rate = bench.matmul_tflops(64, torch.device("cpu"), warmup=1, reps=3)
+    assert rate > 0 and math.isfinite(rate)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("flash_fwd_kernel<Flash_fwd_kernel_traits<128, 64>>", "attention"),
+        ("triton_tem_fused_flex_attention_0", "attention"),
+        ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>", "gemm"),
+        ("nvjet_tst_128x256_64x4_2x1_v_bz_TNT", "gemm"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "gemm"),
+        ("triton_tem_fused_mm_3", "gemm"),
+        ("triton_poi_fused_add_mul_7", "other"),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "other"),
+    ],
+)
+def test_kernel_names_fall_into_their_class(name, kind):
+    assert bench.kernel_class(name) == kind
+
+
+def trace(*events):
+    return [{"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur} for cat, name, ts, dur in events]
+
+
+def test_breakdown_counts_overlap_once_and_shares_kernel_time_by_class():
+    events = trace(
+        ("kernel", "sm90_xmma_gemm", 0.0, 60.0),
+        ("kernel", "flash_fwd", 50.0, 20.0),  # overlaps the GEMM by 10 us (another stream)
+        ("gpu_memcpy", "Memcpy DtoD", 100.0, 20.0),  # idle 70..100
+        ("cpu_op", "aten::mm", 0.0, 500.0),  # host events are not device work
+    )
+    out = bench.kernel_breakdown(events)
+    assert out["gpu_busy_pct"] == pytest.approx(100 * 90 / 120)
+    assert out["gemm_pct"] == pytest.approx(100 * 60 / 100)
+    assert out["attention_pct"] == pytest.approx(100 * 20 / 100)
+    assert out["other_kernel_pct"] == pytest.approx(100 * 20 / 100)
+
+
+def test_breakdown_of_a_trace_without_device_work_is_empty():
+    assert set(bench.kernel_breakdown(trace(("cpu_op", "aten::mm", 0.0, 5.0))).values()) == {None}
