@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from omegaconf.errors import ValidationError
 
 from track_1_short.perf.bench_meta import REPO_ROOT
 from track_1_short.schedule import ScheduleConfig, StageConfig
@@ -54,6 +55,35 @@ def test_a_stage_outside_the_schedule_is_refused():
     schedule = ScheduleConfig(stages=[StageConfig()])
     with pytest.raises(ValueError, match="stage 3 does not exist; the schedule has 1 stages"):
         bench.stage_shapes(schedule, [3], tiny=False)
+
+
+def test_overrides_reach_their_group_and_are_type_checked():
+    sets = bench.group_overrides(["schedule.lr_floor=0.25", "model.check_inputs=false"])
+    assert sets == {"model": ["check_inputs=false"], "optim": [], "schedule": ["lr_floor=0.25"]}
+    path = REPO_ROOT / "configs" / "schedule" / "track1.yaml"
+    assert bench.load_structured(ScheduleConfig, path, sets["schedule"]).lr_floor == 0.25
+    with pytest.raises(ValidationError, match="lr_floor"):
+        bench.load_structured(ScheduleConfig, path, ["lr_floor=fast"])
+
+
+@pytest.mark.parametrize("item", ["lr_floor=0.2", "data.x=1", "schedule.lr_floor"])
+def test_an_override_without_group_or_value_is_refused(item):
+    with pytest.raises(ValueError, match=f"--set {item}: write GROUP.KEY=VALUE"):
+        bench.group_overrides([item])
+
+
+def test_batch_flops_weigh_each_document_by_its_tokens():
+    # A stand-in whose per-token FLOPs grow with document length, as attention's do.
+    calls = []
+
+    def flops_per_token(cfg, length, windows):
+        calls.append((length, windows))
+        return 100.0 + length
+
+    cu = torch.tensor([0, 10, 40, 40, 100], dtype=torch.int32)  # lengths 10, 30, (empty), 60
+    fpt = bench.batch_flops_per_token(flops_per_token, None, cu, (1, 3))
+    assert fpt == pytest.approx((110 * 10 + 130 * 30 + 160 * 60) / 100)
+    assert calls == [(10, [1, 3]), (30, [1, 3]), (60, [1, 3])]
 
 
 def test_a_missing_config_file_is_refused_by_name(tmp_path):
