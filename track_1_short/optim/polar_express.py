@@ -1,0 +1,86 @@
+"""The orthogonalisation cascade of ANVIL: six quintic maps that push a matrix's singular values to about 1.
+
+For a matrix X = U S V^T (its singular value decomposition), the odd polynomial
+p(X) = a X + b (X X^T) X + c (X X^T)^2 X equals U p(S) V^T, so a cascade of such maps acts on every singular
+value separately, as the scalar map s -> a s + b s^3 + c s^5 composed six times. After the input is
+normalised so that every singular value lies in (0, 1/margin], the composed map sends [0.003, 1/1.05] into
+[0.995, 1.0004] (tests/optim/test_polar_express.py checks this on the coefficients themselves); bf16 matmuls
+widen that band to about 0.5% either side (the same tests, at the track-1 bank shapes).
+
+Each round is written with the smaller Gram matrix: for a tall X (rows > cols) A = X^T X and
+X <- a X + X (b A + c A^2); otherwise A = X X^T and X <- a X + (b A + c A^2) X. The normalisation is free: the
+first Gram is taken on the raw input and its trace is ||X||_F^2 >= s_max^2, so dividing X by
+d = margin * sqrt(trace) + eps (and A by d^2) bounds every singular value by 1/margin without a separate norm
+pass. Matmuls run in bf16 with fp32 accumulation (torch's bmm/baddbmm); the scaling runs in fp32.
+
+Provenance: the maps and the trace trick are those of the upstream record "#360 (ANVIL2)"
+(``ANVIL_MAPS``, ``FROBENIUS_MARGIN``, ``FROBENIUS_EPS`` in modded-nanogpt's
+``track_1_short/optim/anvil.py``), a successor of the Polar Express cascade (Amsel et al., 2025) used by
+Muon/NorMuon. Upstream computes the Gram matrices with symmetric Triton kernels (half the FLOPs); this module
+uses plain batched matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ANVIL_MAPS: tuple[tuple[float, float, float], ...] = (
+    (3.923798038567, -6.095026865488, 3.905234618423),
+    (3.278126713798, -3.328923386476, 0.989127286973),
+    (3.505298394150, -5.137358782410, 1.968325560615),
+    (2.815058591845, -3.685181239622, 1.417196497642),
+    (2.245503932403, -2.443826979899, 0.963091710461),
+    (2.256537145403, -2.166840097229, 0.929501253245),
+)
+"""(a, b, c) of each quintic round, in order; derived upstream for inputs normalised by a margin of 1.05.
+
+These are facts of the algorithm rather than settings: they only work as a set, for that margin."""
+
+FROBENIUS_EPS = 1e-6
+"""Added to the normaliser so that an all-zero matrix (a pad or frozen matrix) maps to zero, not NaN."""
+
+
+def _gram(x: torch.Tensor, tall: bool) -> torch.Tensor:
+    # [B, s, s] with s = min(rows, cols): the cheaper of X^T X and X X^T.
+    return torch.bmm(x.mT, x) if tall else torch.bmm(x, x.mT)
+
+
+def orthogonalize(x: torch.Tensor, margin: float = 1.05) -> torch.Tensor:
+    """Map each matrix of a bf16 batch [B, rows, cols] to one with singular values close to 1 (bf16, same
+    shape).
+
+    ``margin`` (> 1) scales the Frobenius-norm bound; the maps are derived for 1.05. The input is not
+    modified.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"orthogonalize: expected a batch of matrices [B, rows, cols], got {shape}.")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"orthogonalize: expected a bf16 tensor, got {x.dtype}; cast it with .bfloat16().")
+    if not margin > 1.0:
+        raise ValueError(f"orthogonalize: margin={margin} must be > 1 (the maps diverge above 1/margin).")
+    tall = x.size(-2) > x.size(-1)
+    gram = _gram(x, tall)
+    # trace(A) = ||X||_F^2, summed in fp32 from the bf16 Gram's diagonal: [B, 1, 1].
+    trace = gram.diagonal(dim1=-2, dim2=-1).float().sum(-1).view(-1, 1, 1)
+    norm = trace.sqrt().mul_(margin).add_(FROBENIUS_EPS)
+    x = (x.float() / norm).bfloat16()
+    gram = (gram.float() / norm.square()).bfloat16()
+    for i, (a, b, c) in enumerate(ANVIL_MAPS):
+        if i > 0:
+            gram = _gram(x, tall)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A A, [B, s, s]
+        x = torch.baddbmm(x, x, poly, beta=a) if tall else torch.baddbmm(x, poly, x, beta=a)
+    return x
+
+
+def cascade_flops(batch: int, rows: int, cols: int) -> int:
+    """Matmul FLOPs (2 per multiply-add) of :func:`orthogonalize` on [batch, rows, cols], as plain matmuls.
+
+    Per round and matrix, with s = min(rows, cols) and l = max(rows, cols): the Gram 2 l s^2, A A 2 s^3 and
+    the application 2 l s^2. A symmetric Gram kernel would halve the first two terms; this counts what runs
+    here.
+    """
+    s, long = min(rows, cols), max(rows, cols)
+    per_round = 2 * long * s * s + 2 * s**3 + 2 * long * s * s
+    return batch * len(ANVIL_MAPS) * per_round
