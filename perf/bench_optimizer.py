@@ -1,0 +1,235 @@
+"""ANVIL's optimizer step for the track-1 banks at world size 1: ms per step, split into cascade and rest.
+
+    python perf/bench_optimizer.py --out perf/results/optimizer.json                 # CUDA, track-1 banks
+    python perf/bench_optimizer.py --device cpu --out /tmp/optimizer.json            # CPU: small banks
+
+The banks are the record's (reshape views): qk [48, 256, 768] (wide), vo [16, 768, 768] (square), mlp
+[24, 2816, 768] (tall, c_proj x2, two frozen matrices), bf16, random weights and gradients. ``--shapes small``
+(the CPU default) divides every matrix dimension by 8 and keeps a quarter (qk, vo) or half (mlp) of the
+matrices. At world size 1 a step is, per bank, the local reduce_scatter/all_gather copies plus
+``AnvilBank.update()``: twin rails, cascade, lane equaliser, master update.
+
+Rows, one per bank and one for the whole ``AnvilAndAdam.step(do_adam=False)``:
+
+- ``step_ms``: the bank's ``update()`` (the total row: the whole optimizer step), mean over ``--steps`` after
+  ``--warmup``, CUDA events on the GPU, perf_counter on the CPU;
+- ``cascade_ms``: ``orthogonalize`` alone on the bank's chunk; ``rest_ms = step_ms - cascade_ms``;
+- ``cascade_ms_floor``: the cascade's matmul FLOPs (``cascade_flops``, plain matmuls) at the bf16 matmul rate
+  measured in the same run (median of repeated n^3 matmuls, n = 8192 on CUDA, 512 on the CPU);
+- ``rest_ms_floor``: the bytes the elementwise part must move at least, 28 per bank element (read the bf16
+  gradient 2, read and write both fp32 rails 16, the bf16 weight 4 and the uint16 mantissa 4, read the cascade
+  output 2), at the device-to-device copy rate measured in the same run (bytes read + written per second).
+
+The eager update runs each elementwise phase as separate kernels and the cascade as plain bmm/baddbmm; the gap
+between ``rest_ms`` and its floor is the cost of not fusing them (upstream compiles them and captures each
+bank update in a CUDA graph), the gap on the cascade the cost of not using symmetric Gram kernels and of bf16
+GEMM efficiency at these sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from track_1_short.optim.anvil import AnvilAndAdam, OptimConfig
+from track_1_short.optim.polar_express import cascade_flops, orthogonalize
+from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
+
+# label: (parameter shape, reshape, matrix_lr_mul), the record's banks (upstream-optim notes 3.1 and 3.5): mlp
+# matrices alternate c_fc (x1) and c_proj (x2); 14 and 15 (a deleted layer's MLP) are frozen.
+MLP_MULTS = [0.0 if j in (14, 15) else (2.0 if j % 2 else 1.0) for j in range(24)]
+TRACK1_BANKS = {
+    "qk_bank": ([48, 256, 768], [48, 256, 768], None),
+    "vo_bank": ([16, 768, 768], [16, 768, 768], None),
+    "mlp_bank": ([12, 2, 2816, 768], [24, 2816, 768], MLP_MULTS),
+}
+# --shapes small: every matrix dimension / 8, a quarter (qk, vo) or half (mlp) of the matrices.
+SMALL_BANKS = {
+    "qk_bank": ([12, 32, 96], [12, 32, 96], None),
+    "vo_bank": ([4, 96, 96], [4, 96, 96], None),
+    "mlp_bank": ([6, 2, 352, 96], [12, 352, 96], MLP_MULTS[:12]),
+}
+BYTES_PER_ELEMENT_FLOOR = (
+    28  # the elementwise part's least traffic per bank element, see the module docstring
+)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], None], device: torch.device, steps: int, warmup: int) -> float:
+    """Mean milliseconds of ``fn`` over ``steps`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / steps
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def matmul_tflops(device: torch.device, n: int, repeats: int = 5) -> float:
+    """bf16 matmul rate: median over ``repeats`` of an n^3 product (2 n^3 FLOPs), in TFLOP/s."""
+    a = torch.randn(n, n, device=device).bfloat16()
+    b = torch.randn(n, n, device=device).bfloat16()
+    times = [time_ms(lambda: torch.mm(a, b), device, steps=3, warmup=1) for _ in range(repeats)]
+    return 2 * n**3 / (statistics.median(times) * 1e-3) / 1e12
+
+
+def copy_gbps(device: torch.device, numel: int, repeats: int = 5) -> float:
+    """Device copy rate in GB/s, counting the bytes read and the bytes written."""
+    src = torch.empty(numel, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = [time_ms(lambda: dst.copy_(src), device, steps=5, warmup=1) for _ in range(repeats)]
+    return 2 * src.numel() * src.element_size() / (statistics.median(times) * 1e-3) / 1e9
+
+
+def build(banks: dict, device: torch.device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    named, table, grads = [], {}, {}
+    for label, (shape, reshape, mults) in banks.items():
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen, device=device).mul_(0.02).bfloat16())
+        p.label = label
+        named.append((label, p))
+        table[label] = {
+            "optim": "anvil",
+            "comms": "sharded",
+            "adam_betas": None,
+            "lr_mul": 1.0,
+            "wd_mul": 1.0,
+            "reshape": reshape,
+            "matrix_lr_mul": mults,
+        }
+        grads[label] = torch.randn(shape, generator=gen, device=device).bfloat16()
+    order = list(banks)
+    opt = AnvilAndAdam(named, table, order, order, OptimConfig())
+    opt.set_schedule(1.0, 0.93, 100)
+    return named, opt, grads
+
+
+def measure(
+    banks: dict, device: torch.device, steps: int, warmup: int, tflops: float, gbps: float
+) -> list[dict]:
+    named, opt, grads = build(banks, device)
+    rows = []
+    for label, _ in named:
+        bank = opt.banks[label]
+        bank.grad.copy_(grads[label].view(bank.grad.shape))
+        chunk, r, c = bank.grad.shape
+        x = bank.grad.clone()
+        step_ms = time_ms(bank.update, device, steps, warmup)
+        cascade_ms = time_ms(lambda x=x: orthogonalize(x), device, steps, warmup)
+        flops = cascade_flops(chunk, r, c)
+        rows.append(
+            {
+                "bank": label,
+                "matrices": f"{chunk} x {r} x {c}",
+                "step_ms": step_ms,
+                "cascade_ms": cascade_ms,
+                "cascade_ms_floor": flops / (tflops * 1e12) * 1e3,
+                "rest_ms": step_ms - cascade_ms,
+                "rest_ms_floor": BYTES_PER_ELEMENT_FLOOR * bank.grad.numel() / (gbps * 1e9) * 1e3,
+                "cascade_gflop": flops / 1e9,
+            }
+        )
+
+    def full_step() -> None:
+        for label, p in named:
+            p.grad = grads[label]
+        opt.step(do_adam=False)
+
+    total_ms = time_ms(full_step, device, steps, warmup)
+    total = {
+        k: sum(r[k] for r in rows)
+        for k in ("cascade_ms", "cascade_ms_floor", "rest_ms_floor", "cascade_gflop")
+    }
+    rows.append(
+        {
+            "bank": "optimizer step (all banks)",
+            "matrices": "",
+            "step_ms": total_ms,
+            "cascade_ms": total["cascade_ms"],
+            "cascade_ms_floor": total["cascade_ms_floor"],
+            "rest_ms": total_ms - total["cascade_ms"],
+            "rest_ms_floor": total["rest_ms_floor"],
+            "cascade_gflop": total["cascade_gflop"],
+        }
+    )
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'bank':<28}{'matrices':>18}{'step ms':>10}{'cascade':>10}{'floor':>9}{'rest':>10}{'floor':>9}")
+    for r in rows:
+        print(
+            f"{r['bank']:<28}{r['matrices']:>18}{r['step_ms']:>10.3f}{r['cascade_ms']:>10.3f}"
+            f"{r['cascade_ms_floor']:>9.3f}{r['rest_ms']:>10.3f}{r['rest_ms_floor']:>9.3f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--shapes", choices=("track1", "small"), default=None, help="default: track1 on cuda")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 20 on cuda, 3 on cpu)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 5 / 1)")
+    parser.add_argument("--matmul-size", type=int, default=None, help="n of the n^3 rate matmul (8192 / 512)")
+    parser.add_argument("--out", default=None, help="write the JSON result here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to torch; use --device cpu.")
+    shapes = args.shapes or ("track1" if cuda else "small")
+    steps = args.steps if args.steps is not None else (20 if cuda else 3)
+    warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
+    if steps < 1 or warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0.")
+    n = args.matmul_size or (8192 if cuda else 512)
+    banks = TRACK1_BANKS if shapes == "track1" else SMALL_BANKS
+
+    tflops = matmul_tflops(device, n)
+    gbps = copy_gbps(device, 1 << (28 if cuda else 22))
+    rows = measure(banks, device, steps, warmup, tflops, gbps)
+    rates = f"bf16 matmul {tflops:.2f} TFLOP/s, copy {gbps:.0f} GB/s"
+    print(f"{device}, {shapes} banks, {steps} timed steps; {rates}")
+    print_table(rows)
+    if args.out:
+        payload = {
+            **bench_metadata(sys.argv if argv is None else ["perf/bench_optimizer.py", *argv], device),
+            "title": "ANVIL optimizer step, track-1 banks, world size 1",
+            "banks": shapes,
+            "timed_steps": steps,
+            "matmul_tflops": tflops,
+            "matmul_n": n,
+            "copy_gbps": gbps,
+            "rows": rows,
+            "notes": [
+                "cascade floor: the cascade's matmul FLOPs (plain matmuls) at this run's bf16 matmul rate",
+                f"rest floor: {BYTES_PER_ELEMENT_FLOOR} bytes per bank element at the copy rate of this run",
+                "rest_ms = step_ms - cascade_ms: rails, equaliser, master update (the total row adds the "
+                "step's gradient and gather copies)",
+            ],
+        }
+        write_bench_json(args.out, payload)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

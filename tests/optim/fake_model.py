@@ -1,0 +1,126 @@
+"""A tiny stand-in for the model's parameters, in the param-table contract, for the optimizer tests.
+
+It has every kind the optimizer handles: a wide bank with a frozen matrix, a square bank, a tall bank with
+per-matrix multipliers, a lm_head / embed pair tied by ``tied_to``, a table whose 39 rows do not divide by 2
+ranks, and replicated tensors in bf16 and fp32 (one of them 0-D). Banks of 3 matrices are padded at world
+size 2.
+
+Gradients are integers in [-8, 8] scaled by 1/16, so every sum and average of a few of them is exact in bf16:
+a run on W ranks and a single process fed the averaged gradients see bitwise the same gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+# label: (shape, dtype, param-table entry)
+SPECS: dict[str, tuple[list[int], torch.dtype, dict]] = {
+    "qk_bank": (
+        [3, 8, 24],
+        BF16,
+        {"optim": "anvil", "reshape": [3, 8, 24], "matrix_lr_mul": [1.0, 1.0, 0.0]},
+    ),
+    "vo_bank": ([2, 16, 16], BF16, {"optim": "anvil", "reshape": [2, 16, 16]}),
+    "mlp_bank": (
+        [2, 2, 24, 8],
+        BF16,
+        {"optim": "anvil", "reshape": [4, 24, 8], "matrix_lr_mul": [1, 2, 1, 2]},
+    ),
+    "lm_head": (
+        [16, 40],
+        BF16,
+        {"optim": "adam", "comms": "sharded", "adam_betas": [0.5, 0.95], "wd_mul": 150},
+    ),
+    "embed": (
+        [40, 16],
+        BF16,
+        {"optim": "adam", "comms": "sharded", "adam_betas": [0.5, 0.95], "wd_mul": 150, "tied_to": "lm_head"},
+    ),
+    "value_embeds": (
+        [39, 16],
+        BF16,
+        {"optim": "adam", "comms": "sharded", "adam_betas": [0.75, 0.95], "lr_mul": 70.0, "wd_mul": 5.0},
+    ),
+    "scalars": ([5], FP32, {"adam_betas": [0.9, 0.99], "lr_mul": 5.0, "wd_mul": 0.0}),
+    "smear_gate": ([1, 12], BF16, {"adam_betas": [0.9, 0.99], "lr_mul": 0.01, "wd_mul": 0.0}),
+    "post_lambdas": ([3, 2], FP32, {"adam_betas": [0.9, 0.95], "lr_mul": 1.0, "wd_mul": 0.0}),
+    "gate_w": ([2, 3, 4], BF16, {"adam_betas": [0.9, 0.99], "lr_mul": 0.25, "wd_mul": 1.0}),
+    "_gate_scale": ([], FP32, {"adam_betas": [0.9, 0.99], "lr_mul": 0.1, "wd_mul": 0.0}),
+}
+REPLICATED = ["scalars", "smear_gate", "post_lambdas", "gate_w", "_gate_scale"]
+SCATTER_ORDER = ["qk_bank", "vo_bank", "mlp_bank", "value_embeds", "lm_head", "embed", *REPLICATED]
+WORK_ORDER = ["qk_bank", "vo_bank", "lm_head", "embed", "value_embeds", *REPLICATED, "mlp_bank"]
+
+
+def param_table(tied: bool = True) -> dict[str, dict]:
+    table = {}
+    for label, (_, _, entry) in SPECS.items():
+        entry = dict(entry)
+        entry.setdefault("comms", "sharded" if entry.get("optim") == "anvil" else "replicated")
+        entry.setdefault("optim", "adam")
+        entry.setdefault("adam_betas", None)
+        entry.setdefault("lr_mul", 1.0)
+        entry.setdefault("wd_mul", 1.0)
+        if not tied:
+            entry.pop("tied_to", None)
+        table[label] = entry
+    return table
+
+
+def make_params(seed: int = 0) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) pairs with ``.label`` set; the same values for the same seed on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for label, (shape, dtype, _) in SPECS.items():
+        p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.5).to(dtype))
+        p.label = label
+        out.append((f"{label}.weight" if p.dim() >= 2 else label, p))
+    with torch.no_grad():
+        by_label = {p.label: p for _, p in out}
+        by_label["embed"].copy_(by_label["lm_head"].mT)  # tied: embed starts as lm_head^T
+    return out
+
+
+def clone_params(named) -> list[tuple[str, torch.nn.Parameter]]:
+    out = []
+    for name, p in named:
+        q = torch.nn.Parameter(p.detach().clone())
+        q.label = p.label
+        out.append((name, q))
+    return out
+
+
+def missing_grad(label: str, step: int) -> bool:
+    """Parameters that get no gradient on some steps (the same on every rank), to exercise the skips."""
+    return (label == "_gate_scale" and step % 4 == 1) or (label == "vo_bank" and step == 2)
+
+
+def rank_grads(step: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s gradient of every parameter at training step ``step`` (exactly representable)."""
+    out = {}
+    for i, (label, (shape, dtype, _)) in enumerate(SPECS.items()):
+        if missing_grad(label, step):
+            continue
+        gen = torch.Generator().manual_seed(1_000_003 * step + 1009 * rank + i)
+        out[label] = (torch.randint(-8, 9, shape, generator=gen).float() / 16).to(dtype)
+    return out
+
+
+def mean_grads(step: int, world: int) -> dict[str, torch.Tensor]:
+    """The average over ``world`` ranks of :func:`rank_grads`, exact (small multiples of 1/16 / world)."""
+    per_rank = [rank_grads(step, r) for r in range(world)]
+    return {k: (sum(g[k].double() for g in per_rank) / world).to(per_rank[0][k].dtype) for k in per_rank[0]}
+
+
+def accumulate(named, grads: dict[str, torch.Tensor]) -> None:
+    """What backward does: set .grad where it is None, else add into it."""
+    for _, p in named:
+        g = grads.get(p.label)
+        if g is None:
+            continue
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.add_(g)
