@@ -1,0 +1,235 @@
+"""Causal self-attention over one packed sequence of whole documents (batch 1, varlen).
+
+Which key a query sees (the mask, identical on every path): key j is visible from query i when both belong to
+the same document, j <= i, and i - j <= window, where window is in tokens (upstream's FlashAttention-3
+``window_size=(window, 0)``: window + 1 keys counting the query's own).
+
+Two paths compute it, chosen by ``ModelConfig.attention_impl``:
+  "reference"  a plain masked softmax, query block by query block over only the keys the window can
+               reach; runs anywhere, used on the CPU ("auto" picks it for CPU tensors).
+  "flex"       FlexAttention with a block mask enumerated from the document starts and the window, so only the
+               key blocks the window can reach are visited ("auto" picks it for CUDA tensors, compiled once).
+               On the CPU FlexAttention runs unfused and forward only (tests use it there at small sizes).
+Upstream (record #92) runs a patched FlashAttention-3 varlen kernel instead, with the window semantics above.
+
+One layer (``causal_self_attention``): QKV from bank slices (scaled by sa_lambda[0]), QK-norm in fp32, partial
+key offset, rotary, optional paired heads, value-embedding / MUDD add-ins to V, attention, gated XSA, per-head
+output gate, output projection scaled by sa_lambda[1] and the layer's post-lambda.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from track_1_short.model.layers import FP32_EPS, apply_rotary
+
+ATTENTION_IMPLS = ("auto", "reference", "flex")
+
+
+# -- the mask ------------------------------------------------------------------------------------------------
+
+
+def visible(doc_q: Tensor, doc_k: Tensor, pos_q: Tensor, pos_k: Tensor, window: int) -> Tensor:
+    """The attention mask (broadcasting): same document, causal, and at most ``window`` tokens back."""
+    return (doc_q == doc_k) & (pos_k <= pos_q) & (pos_q - pos_k <= window)
+
+
+def kv_block_lists(doc_ids: Tensor, window: int, block: int) -> tuple[Tensor, Tensor]:
+    """For each block of ``block`` queries, the key blocks that can hold a visible key.
+
+    doc_ids int32 [S] (S a multiple of ``block``). Returns (kv_num_blocks int32 [n], kv_indices int32 [n, n]),
+    n = S / block, in FlexAttention's ordered layout: row i lists its kv_num_blocks[i] key blocks first (at
+    most ceil(window / block) + 1 of them), the rest of the row is ignored. Query block i can see keys from
+    max(i * block - window, start of the document holding its first query) up to its own last query.
+    """
+    s = doc_ids.numel()
+    n_q = s // block
+    pos = torch.arange(s, device=doc_ids.device)
+    is_start = torch.ones(s, dtype=torch.bool, device=doc_ids.device)
+    is_start[1:] = doc_ids[1:] != doc_ids[:-1]
+    doc_first = torch.cummax(torch.where(is_start, pos, torch.zeros_like(pos)), 0).values  # [S]
+    first_q = torch.arange(n_q, device=doc_ids.device) * block  # [n_q]
+    first_key = torch.maximum(first_q - window, doc_first[first_q]).clamp(min=0)
+    lo = first_key // block  # [n_q]
+    hi = torch.arange(n_q, device=doc_ids.device)  # a query block's last visible key is in its own block
+    idx = lo[:, None] + torch.arange(n_q, device=doc_ids.device)[None, :]  # [n_q, n_q], FlexAttention's width
+    num = (hi - lo + 1).to(torch.int32)
+    return num, torch.minimum(idx, hi[:, None]).to(torch.int32)
+
+
+# -- the two paths -------------------------------------------------------------------------------------------
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, window: int, block: int) -> Tensor:
+    """Masked softmax attention, fp32 scores. q, k [S, h, dq] (q already scaled), v [S, h, dv] -> [S, h, dv].
+
+    Queries go block by block; each block scores only keys in [block start - window, block end), the only ones
+    the mask can let through, so the cost is S * (window + block) instead of S^2.
+    """
+    s = q.size(0)
+    pos = torch.arange(s, device=q.device)
+    out = []
+    for a in range(0, s, block):
+        b = min(a + block, s)
+        ka = max(0, a - window)
+        scores = torch.einsum("qhd,khd->hqk", q[a:b].float(), k[ka:b].float())  # [h, bq, bk]
+        mask = visible(doc_ids[a:b, None], doc_ids[None, ka:b], pos[a:b, None], pos[None, ka:b], window)
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # every query sees itself
+        out.append(torch.einsum("hqk,khd->qhd", probs.to(v.dtype), v[ka:b]))
+    return torch.cat(out)
+
+
+_compiled_flex = None
+
+
+def _flex_function(device_type: str):
+    """FlexAttention: compiled once on CUDA (uncompiled it materialises all S^2 scores); eager elsewhere."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device_type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def flex_attention_varlen(
+    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, window: int, block: int
+) -> Tensor:
+    """The same attention through FlexAttention with a block-sparse mask. Shapes as reference_attention.
+
+    The sequence is padded to a multiple of ``block`` with a document id of -1 (pads see only pads) and the
+    pad rows are dropped from the output.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    s = q.size(0)
+    pad = -s % block
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+        doc_ids = torch.cat([doc_ids, torch.full((pad,), -1, dtype=doc_ids.dtype, device=doc_ids.device)])
+    sp = s + pad
+    num, idx = kv_block_lists(doc_ids, window, block)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return visible(doc_ids[q_idx], doc_ids[kv_idx], q_idx, kv_idx, window)
+
+    block_mask = BlockMask.from_kv_blocks(
+        num[None, None], idx[None, None], BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(sp, sp)
+    )
+    # [S, h, d] -> [1, h, S, d], FlexAttention's layout; q carries the softmax scale already.
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        y = _flex_function(q.device.type)(qh, kh, vh, block_mask=block_mask, scale=1.0)
+    return y[0].transpose(0, 1)[:s]
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, window: int, block: int, impl: str) -> Tensor:
+    """Dispatch on ``impl`` ("auto": flex on CUDA, reference elsewhere)."""
+    if impl == "auto":
+        impl = "flex" if q.is_cuda else "reference"
+    if impl == "flex":
+        return flex_attention_varlen(q, k, v, doc_ids, window, block)
+    return reference_attention(q, k, v, doc_ids, window, block)
+
+
+# -- one attention sublayer ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AttnSpec:
+    """The static shape of one attention layer."""
+
+    num_heads: int
+    head_dim: int
+    """Full head width: the width of the value add-ins (aux_v) and of the banks' rows per head."""
+    qk_dim: int
+    """This layer's query/key width per head (head_dim on long-window layers, narrow_head_dim elsewhere)."""
+    v_dim: int
+    """This layer's value/output width per head (narrow_head_dim on half-V layers)."""
+    paired: bool
+    """Paired heads: heads h and h + H/2 share one interleaved stream and see each other's keys."""
+    key_offset: bool
+    """Partial key offset: a key's stationary (non-rotating) dims come from its document's previous token."""
+    xsa: bool
+    """Gated XSA: subtract tanh(alpha) times the projection of the output onto the token's own value."""
+
+
+@dataclass(frozen=True, slots=True)
+class PackedSequence:
+    """Per-forward facts about the packed batch every attention layer shares."""
+
+    doc_ids: Tensor
+    """int32 [T]: document index of each token."""
+    doc_start: Tensor
+    """bool [T]: True at each document's first token."""
+    block: int
+    """Query block size of the reference path and FlexAttention's block size (tokens)."""
+    impl: str
+    """"auto", "reference" or "flex"."""
+
+
+def causal_self_attention(
+    x: Tensor,
+    qk_w: Tensor,
+    v_w: Tensor,
+    o_w: Tensor,
+    spec: AttnSpec,
+    seq: PackedSequence,
+    window: int,
+    freq: Tensor,
+    attn_scale: Tensor,
+    qkv_gain: Tensor,
+    o_gain: Tensor,
+    aux_v: Tensor | None = None,
+    xsa_alpha: Tensor | None = None,
+    gate: Tensor | None = None,
+) -> Tensor:
+    """One attention sublayer on the normed input x [T, D]; returns [T, D] in x's dtype.
+
+    Weights in nn.Linear layout, already cut to this layer's widths: qk_w [2 H qk_dim, D] (Q heads then K
+    heads), v_w [H v_dim, D], o_w [D, H v_dim]. window: tokens. freq: fp32 [rotary_dim / 2] rotary
+    frequencies; attn_scale: 0-D softmax scale. qkv_gain, o_gain: 0-D scales of the QKV and O weights
+    (sa_lambdas; o_gain also carries the post-lambda). aux_v [T, H head_dim]: added to V (cut to v_dim per
+    head). xsa_alpha, gate: [T, H].
+    """
+    t, h, dq, dv = x.size(0), spec.num_heads, spec.qk_dim, spec.v_dim
+    qkv = x @ (torch.cat((qk_w, v_w)).type_as(x) * qkv_gain.to(x.dtype)).T  # [T, 2 H dq + H dv]
+    qk, v = qkv.split((2 * h * dq, h * dv), dim=-1)
+    qk = F.rms_norm(qk.view(t, 2 * h, dq).float(), (dq,), eps=FP32_EPS)  # QK-norm in fp32: [T, 2H, dq]
+    q, k = qk[:, :h], qk[:, h:]
+    v = v.view(t, h, dv)
+    if aux_v is not None:
+        v = v + aux_v.view(t, h, spec.head_dim)[..., :dv].to(v.dtype)
+    rotary_dim = 2 * freq.numel()
+    if spec.key_offset:
+        # Stationary dims of each key from the previous token; a document's first key keeps its own.
+        prev = torch.cat([k[:1], k[:-1]])
+        shifted = torch.where(seq.doc_start[:, None, None], k, prev)
+        k = torch.cat((k[..., :rotary_dim], shifted[..., rotary_dim:]), dim=-1)
+    doc_ids = seq.doc_ids
+    if spec.paired:
+        # [T, H, d] -> [2T, H/2, d]: token t's heads 0..H/2-1 go to stream row 2t, heads H/2..H-1 to row 2t+1,
+        # so the pair (j, j + H/2) shares one stream. Rotary positions are stream positions (upstream instead
+        # gives odd heads the odd position, which only differs for the middle pair when H/2 is odd).
+        q, k, v = (u.reshape(2 * t, h // 2, u.size(-1)) for u in (q, k, v))
+        doc_ids = doc_ids.repeat_interleave(2)
+    positions = torch.arange(q.size(0), device=x.device)
+    q = (apply_rotary(q, positions, freq) * attn_scale).to(x.dtype)
+    k = apply_rotary(k, positions, freq).to(x.dtype)
+    y = attend(q, k, v, doc_ids, window, seq.block, seq.impl)  # [S, h', dv]
+    y = y.reshape(t, h, dv)
+    if spec.xsa and xsa_alpha is not None:
+        v = v.reshape(t, h, dv)
+        coef = (y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(1e-8)
+        y = y - torch.tanh(xsa_alpha).to(y.dtype)[..., None] * coef * v
+    if gate is not None:
+        y = y * gate.to(y.dtype)[..., None]
+    return y.reshape(t, h * dv) @ (o_w.type_as(x) * o_gain.to(x.dtype)).T

@@ -1,0 +1,211 @@
+"""Small building blocks of the GPT, bottom-up: norms, the ReLU^2 MLP, rotary embeddings with YaRN, the
+smear gate and the softcapped multi-token cross-entropy.
+
+Shapes: T tokens of one packed sequence (batch 1), D = model_dim, V = padded vocabulary, H heads.
+Every function here is row-local (token t's output reads token t's row only) except ``smear`` and
+``shift_within_documents``, which read token t-1 and stop at document starts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# F.rms_norm's eps for fp32 inputs; QK-norm runs in fp32 with it, as upstream's fused kernel does.
+FP32_EPS = torch.finfo(torch.float32).eps
+
+
+def next_multiple_of(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= n (vocab padding, bank padding)."""
+    return -(-n // multiple) * multiple
+
+
+def norm(x: Tensor) -> Tensor:
+    """Parameter-free RMSNorm over the last dim, F.rms_norm's default eps for x's dtype (upstream's norm)."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
+    """relu(x @ c_fc.T)^2 @ c_proj: x [T, D]; c_fc and c_proj both stored [hidden, D] (upstream's banks)."""
+    h = F.relu(x @ c_fc.type_as(x).T)  # [T, hidden]
+    return h.square() @ c_proj.type_as(x)  # [T, D]
+
+
+def document_starts(cu_seqlens: Tensor, num_tokens: int) -> Tensor:
+    """bool [T]: True at the first token of every document (cu_seqlens [n_docs+1], ending at T)."""
+    starts = torch.zeros(num_tokens + 1, dtype=torch.bool, device=cu_seqlens.device)
+    starts[cu_seqlens.long()] = True  # repeated or final entries (== T) land on the spare slot or coincide
+    return starts[:num_tokens]
+
+
+def document_ids(cu_seqlens: Tensor, num_tokens: int) -> Tensor:
+    """int32 [T]: the index of the document each token belongs to."""
+    return (torch.cumsum(document_starts(cu_seqlens, num_tokens).int(), 0) - 1).int()
+
+
+def shift_within_documents(x: Tensor, doc_start: Tensor) -> Tensor:
+    """Row t of the result is x[t-1], or zeros where t starts a document: x [T, ...], doc_start bool [T]."""
+    prev = torch.cat([torch.zeros_like(x[:1]), x[:-1]])
+    keep = (~doc_start).view(-1, *([1] * (x.dim() - 1)))
+    return prev * keep.to(x.dtype)
+
+
+def smear(x: Tensor, gate_w: Tensor, smear_lambda: Tensor, doc_start: Tensor) -> Tensor:
+    """x[t] += smear_lambda * sigmoid(gate_w . x[t, :C]) * x[t-1], upstream's one-token look-back.
+
+    x [T, D]; gate_w [1, C] reads the first C channels. Upstream also smears a document's first token with the
+    previous document's last one; here the look-back stops at document starts, so no document sees another.
+    """
+    c = gate_w.size(-1)
+    gate = torch.sigmoid(x[:, :c] @ gate_w.type_as(x).T)  # [T, 1]
+    return x + smear_lambda.to(x.dtype) * gate * shift_within_documents(x, doc_start)
+
+
+# -- rotary embeddings ------------------------------------------------------------------------------------
+
+
+def rope_base_frequencies(rotary_dim: int) -> Tensor:
+    """fp32 [rotary_dim // 2]: (1/1024) ** linspace(0, 1), one frequency per rotating pair (upstream)."""
+    return (1.0 / 1024) ** torch.linspace(0, 1, steps=rotary_dim // 2, dtype=torch.float32)
+
+
+def yarn_rescale_(freq: Tensor, old_window: int, new_window: int, alpha: float, beta: float) -> float:
+    """YaRN: rescale ``freq`` [pairs] in place for a window that grew from ``old_window`` to ``new_window``
+    tokens and return the factor the softmax scale is multiplied by.
+
+    Frequencies that turn less than ``alpha`` times over the old window are interpolated by old/new (they must
+    not see angles they were never trained on); those that turn more than ``beta`` times are kept; in between
+    the two are blended linearly. Upstream's Yarn.apply (alpha 1, beta 32) and its 1 + 0.2 ln(new/old) scale.
+    """
+    rotations = old_window * freq / (2 * math.pi)
+    ratio = old_window / new_window
+    weight = torch.clamp((rotations - alpha) / (beta - alpha), 0, 1)
+    freq.mul_(ratio + weight * (1 - ratio))
+    return 1.0 + 0.2 * math.log(new_window / old_window)
+
+
+def apply_rotary(x: Tensor, positions: Tensor, freq: Tensor) -> Tensor:
+    """Rotate the first 2 * len(freq) dims of x [T, H, d] in adjacent pairs by angle position * freq; the
+    other dims are stationary (upstream's half-truncated RoPE on wide heads). fp32 in, fp32 out.
+
+    Pair (a, b) -> (a cos + b sin, b cos - a sin), the sign convention of upstream's tables.
+    """
+    r = 2 * freq.numel()
+    theta = positions.float()[:, None] * freq[None, :]  # [T, r/2]
+    cos, sin = theta.cos()[:, None, :], theta.sin()[:, None, :]  # [T, 1, r/2] broadcast over heads
+    pairs = x[..., :r].unflatten(-1, (r // 2, 2))  # [T, H, r/2, 2]
+    a, b = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((a * cos + b * sin, b * cos - a * sin), dim=-1).flatten(-2)  # [T, H, r]
+    return torch.cat((rotated, x[..., r:]), dim=-1)
+
+
+# -- loss ----------------------------------------------------------------------------------------------------
+
+
+def softcap(logits: Tensor, cap: float, shift: float, temperature: float) -> Tensor:
+    """cap * sigmoid((logits + shift) / temperature), in (0, cap); upstream 23 * sigmoid((z + 5) / 7.5)."""
+    return cap * torch.sigmoid((logits + shift) / temperature)
+
+
+def mtp_row_weights(mtp_weights: list[float], num_tokens: int, device) -> tuple[Tensor, Tensor]:
+    """For the multi-token targets: (valid [K, T] bool, total weight per row [T] fp32).
+
+    Row t is scored against targets[t + k] with weight mtp_weights[k] while t + k < T (upstream's bound).
+    """
+    k = len(mtp_weights)
+    t = torch.arange(num_tokens, device=device)
+    valid = (t[None, :] + torch.arange(k, device=device)[:, None]) < num_tokens  # [K, T]
+    w = torch.tensor(mtp_weights, dtype=torch.float32, device=device)
+    return valid, (valid.float() * w[:, None]).sum(0)
+
+
+class _SoftcappedCrossEntropySum(torch.autograd.Function):
+    """Sum over rows and targets of w_k * CE(softcap(x @ W)[t], targets[t + k]), computed in row chunks.
+
+    Why a Function: the [T, V] logits (V = 50304) dominate the tiny model's cost and memory. Each chunk of
+    rows is turned into its loss and, when a gradient is wanted, straight away into its input gradient and its
+    share of the weight gradient, so no [T, V] tensor outlives its chunk (upstream's fused CE does the same on
+    the GPU). The loss is a sum, so backward only scales the stored gradients by the incoming scalar.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, mtp_weights, cap, shift, temperature, chunk_rows, need_grad):
+        # x [T, D] (compute dtype), weight [D, V], targets int64 [T].
+        num_tokens, k = x.size(0), len(mtp_weights)
+        w_k = torch.tensor(mtp_weights, dtype=torch.float32, device=x.device)
+        valid, row_weight = mtp_row_weights(mtp_weights, num_tokens, x.device)
+        # targets[t + k] for every k, clamped where invalid (their weight is zeroed instead): [K, T]
+        idx = (
+            torch.arange(num_tokens, device=x.device)[None, :] + torch.arange(k, device=x.device)[:, None]
+        ).clamp(max=num_tokens - 1)
+        tgt = targets[idx]
+        weight_c = weight.to(x.dtype)
+        bias = torch.full((1, weight.size(1)), shift, dtype=x.dtype, device=x.device)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        if need_grad:
+            grad_x = torch.empty_like(x)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+        for lo in range(0, num_tokens, chunk_rows):
+            hi = min(lo + chunk_rows, num_tokens)
+            xc = x[lo:hi]
+            # s = sigmoid((x W + shift) / temperature), the bias and scale fused into the GEMM: [rows, V] fp32
+            s = (
+                torch.addmm(bias, xc, weight_c, beta=1.0 / temperature, alpha=1.0 / temperature)
+                .float()
+                .sigmoid_()
+            )
+            # z = cap * s lies in (0, cap]: cap is a safe fixed max for the log-sum-exp (upstream's kernel)
+            e = s.mul(cap).sub_(cap).exp_()  # exp(z - cap)
+            sum_e = e.sum(-1)  # [rows]
+            lse = cap + sum_e.log()  # [rows]
+            t_c, v_c = tgt[:, lo:hi], valid[:, lo:hi]  # [K, rows]
+            z_t = cap * s.gather(1, t_c.T).T  # [K, rows]
+            total += ((lse[None, :] - z_t) * v_c.float() * w_k[:, None]).sum()
+            if not need_grad:
+                continue
+            # dLoss/dz = row_weight * softmax(z) - sum_k w_k onehot(target_k); dz/dlogit = cap/temp * s(1-s)
+            scale = row_weight[lo:hi] * (cap / temperature) / sum_e  # [rows]
+            g = e.mul_(scale[:, None])
+            dsig = torch.addcmul(s, s, s, value=-1.0)  # s (1 - s)
+            onehot_w = (v_c.float() * w_k[:, None]).T * (cap / temperature)  # [rows, K]
+            g.scatter_add_(1, t_c.T, -onehot_w)
+            g.mul_(dsig)
+            g_c = g.to(x.dtype)
+            grad_x[lo:hi] = g_c @ weight_c.T
+            if x.dtype == torch.float32:
+                grad_w.addmm_(xc.T, g_c)
+            else:
+                grad_w += (xc.T @ g_c).float()
+        if need_grad:
+            ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x, grad_w = ctx.saved_tensors
+        g = grad_out.to(torch.float32)
+        return (grad_x * g.to(grad_x.dtype), grad_w * g.to(grad_w.dtype)) + (None,) * 7
+
+
+def softcapped_cross_entropy_sum(
+    x: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    mtp_weights: list[float],
+    cap: float,
+    shift: float,
+    temperature: float,
+    chunk_rows: int,
+) -> Tensor:
+    """Summed multi-token softcapped CE of hidden states x [T, D] against lm_head ``weight`` [D, V]; fp32 0-D.
+
+    Row t is scored against targets[t + k] with weight mtp_weights[k] for every t + k < T; the softmax runs
+    over all V (padded) columns, as upstream's loss does.
+    """
+    need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return _SoftcappedCrossEntropySum.apply(
+        x, weight, targets, list(mtp_weights), cap, shift, temperature, chunk_rows, need_grad
+    )
