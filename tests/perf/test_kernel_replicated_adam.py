@@ -1,0 +1,199 @@
+"""The fused replicated-Adam kernel against the per-parameter reference, bit for bit.
+
+On the CPU the kernel runs in Triton's interpreter and the reference eagerly; both round every fp32 operation
+once and take IEEE square roots and divisions, so they agree bitwise (no ulp tolerance is needed anywhere
+here). On CUDA (tests marked gpu) the claim is bitwise equality with the compiled reference.
+"""
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from tests.perf.replicated_adam_cases import AdamCfg, assert_bitwise, bits
+from track_1_short.optim.adam import adam_step_, adam_step_scalars
+from track_1_short.perf.kernels import replicated_adam as K
+
+# Segment sizes: single elements, a 0-D parameter (None), and a total that is not a multiple of BLOCK = 64.
+SIZES = [1, 37, None, 1, 130, 5, 200, 64]
+INACTIVE = {5}
+CFGS = [
+    AdamCfg([0.9, 0.99], lr_mul=5.0, wd_mul=0.0),
+    AdamCfg([0.9, 0.95], lr_mul=0.01, wd_mul=1.0),
+    AdamCfg([0.5, 0.95], lr_mul=25.0, weight_decay=0.5, wd_mul=150.0),
+    AdamCfg([0.9, 0.99], lr_mul=1.0, wd_mul=1.0),
+    AdamCfg([0.75, 0.95], lr_mul=70.0, weight_decay=0.5, wd_mul=10.0),
+    AdamCfg([0.9, 0.99], lr_mul=1.0, wd_mul=1.0),
+    AdamCfg([0.0, 0.9], lr_mul=3.0, weight_decay=2.0, wd_mul=1.0),
+    AdamCfg([0.9, 0.999], lr_mul=0.25, weight_decay=5.0, wd_mul=1.0),
+]
+BLOCK = 64
+
+
+def _case(dtype, seed, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [() if n is None else (n,) for n in SIZES]
+    params = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    grads = [(torch.randn(s, generator=gen) * 0.3).to(dtype) for s in shapes]
+    m = [torch.randn(s, generator=gen) * 0.01 for s in shapes]
+    v = [torch.rand(s, generator=gen) * 1e-3 for s in shapes]
+    steps = torch.randint(1, 60, (len(SIZES),), generator=gen).tolist()
+    return [[t.to(device) for t in ts] for ts in (params, grads, m, v)], steps
+
+
+def _table(steps, device="cpu"):
+    rows = []
+    for i, (cfg, t) in enumerate(zip(CFGS, steps)):
+        b1, b2 = cfg.adam_betas
+        step_size, eff_wd = adam_step_scalars(cfg, t)
+        active = i not in INACTIVE
+        rows.append(
+            [b1, 1 - b1, b2, 1 - b2, cfg.eps, step_size if active else 0.0, eff_wd if active else 0.0, active]
+        )
+    return torch.tensor(np.array(rows, dtype=np.float64).astype(np.float32), device=device)
+
+
+def _flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _segments(device="cpu"):
+    return torch.cat(
+        [torch.full((1 if n is None else n,), i, dtype=torch.int32) for i, n in enumerate(SIZES)]
+    ).to(device)
+
+
+def _reference(params, grads, m, v, steps):
+    for i, cfg in enumerate(CFGS):
+        if i in INACTIVE:
+            continue
+        step_size, eff_wd = (torch.tensor(x, dtype=torch.float32) for x in adam_step_scalars(cfg, steps[i]))
+        adam_step_(params[i], grads[i], m[i], v[i], *cfg.adam_betas, cfg.eps, step_size, eff_wd)
+
+
+def _check_against_reference(dtype, device):
+    (params, grads, m, v), steps = _case(dtype, seed=0, device=device)
+    P, G, M, V = _flat(params), _flat(grads), _flat(m), _flat(v)
+    before = [P.clone(), M.clone(), V.clone()]
+    assert P.numel() % BLOCK != 0
+    K.fused_adam_(P, G, M, V, _segments(device), _table(steps, device), block=BLOCK)
+    _reference(params, grads, m, v, steps)
+    assert_bitwise(P, _flat(params), "param")
+    assert_bitwise(M, _flat(m), "exp_avg")
+    assert_bitwise(V, _flat(v), "exp_avg_sq")
+    # The inactive segment is skipped whole, moments included.
+    seg = _segments(device)
+    for name, now, then in zip(("param", "exp_avg", "exp_avg_sq"), (P, M, V), before):
+        assert torch.equal(bits(now[seg == 5]), bits(then[seg == 5])), f"inactive {name} changed"
+    assert not torch.equal(bits(P), bits(before[0])), "the step moved nothing"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_the_reference_bitwise_on_the_interpreter(dtype):
+    _check_against_reference(dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_the_compiled_reference_bitwise_on_cuda(dtype):
+    _check_against_reference(dtype, "cuda")
+
+
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, K._round_to_bf16_bits(tl.load(x_ptr + offs, mask=mask)), mask=mask)
+
+
+def _round_with_kernel(x):
+    out = torch.empty(x.numel(), dtype=torch.int16, device=x.device)
+    _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    return out
+
+
+def _rounding_inputs():
+    gen = torch.Generator().manual_seed(5)
+    high = torch.randint(0, 1 << 16, (4096,), generator=gen, dtype=torch.int64)
+    # Exact ties (low half 0x8000) with even and odd kept halves, one below and one above each tie.
+    low = torch.tensor([0x8000, 0x7FFF, 0x8001, 0x0000, 0xFFFF]).repeat(4096 // 5 + 1)[:4096]
+    tie_bits = (high << 16) | low
+    special = torch.tensor([0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x00000001, 0x80008000, 0])
+    x = torch.cat([tie_bits, special]).to(torch.int64)
+    x = torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32).view(torch.float32)
+    return torch.cat([x[~torch.isnan(x)], torch.randn(4096, generator=gen) * 1e3])
+
+
+def test_bf16_store_rounds_to_nearest_even_like_torch():
+    x = _rounding_inputs()
+    assert_bitwise(_round_with_kernel(x), x.to(torch.bfloat16).view(torch.int16), "bf16 rounding")
+
+
+def test_bf16_store_turns_nan_into_the_canonical_gpu_nan():
+    x = torch.tensor([float("nan"), -float("nan"), 1.0])
+    one = torch.tensor(1.0).to(torch.bfloat16).view(torch.int16).item()
+    assert _round_with_kernel(x).tolist() == [0x7FFF, 0x7FFF, one]
+
+
+@pytest.mark.gpu
+def test_bf16_store_rounds_like_the_gpu_conversion():
+    x = _rounding_inputs().cuda()
+    assert_bitwise(_round_with_kernel(x), x.to(torch.bfloat16).view(torch.int16), "bf16 rounding on CUDA")
+
+
+def test_two_group_launch_equals_one_launch_per_group_and_clears_gradients():
+    cases = [_case(torch.bfloat16, seed=1), _case(torch.float32, seed=2)]
+    steps = cases[0][1]
+    table = _table(steps)
+    seg = _segments()
+    singles, pairs = [], []
+    for (params, grads, m, v), _ in cases:
+        singles.append([_flat(params), _flat(grads), _flat(m), _flat(v), seg])
+        pairs.append([t.clone() for t in singles[-1]])
+    for group in singles:
+        K.fused_adam_(*group, table, block=BLOCK)
+    K.fused_adam_groups_([tuple(g) for g in pairs], table, zero_grad=True, block=BLOCK)
+    for single, pair in zip(singles, pairs):
+        for what, a, b in zip(
+            ("param", "exp_avg", "exp_avg_sq"), (single[0], single[2], single[3]), (pair[0], pair[2], pair[3])
+        ):
+            assert_bitwise(a, b, what)
+        assert torch.count_nonzero(pair[1]) == 0 and torch.count_nonzero(single[1]) > 0
+
+
+def _valid_buffers():
+    (params, grads, m, v), steps = _case(torch.float32, seed=3)
+    return [_flat(params), _flat(grads), _flat(m), _flat(v), _segments(), _table(steps)]
+
+
+@pytest.mark.parametrize(
+    "corrupt, error, match",
+    [
+        (lambda b: b.__setitem__(2, b[2].double()), TypeError, "exp_avg"),
+        (lambda b: b.__setitem__(1, b[1].to(torch.bfloat16)), TypeError, "grad"),
+        (lambda b: b.__setitem__(3, b[3][:-1]), ValueError, "exp_avg_sq"),
+        (lambda b: b.__setitem__(0, b[0].half()), TypeError, "param"),
+        (lambda b: b.__setitem__(4, b[4].long()), TypeError, "segment"),
+        (lambda b: b.__setitem__(5, b[5][:, :7].contiguous()), ValueError, "scalars"),
+        (lambda b: b.__setitem__(0, torch.stack([b[0], b[0]], 1).reshape(-1)[::2]), ValueError, "param"),
+    ],
+)
+def test_bad_buffers_raise_before_the_kernel_touches_anything(corrupt, error, match):
+    buffers = _valid_buffers()
+    corrupt(buffers)
+    snapshot = [t.clone() for t in buffers]
+    with pytest.raises(error, match=match):
+        K.fused_adam_(*buffers, block=BLOCK)
+    assert all(torch.equal(a, b) for a, b in zip(buffers, snapshot))
+
+
+def test_block_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="power of two"):
+        K.fused_adam_(*_valid_buffers(), block=96)
+
+
+def test_groups_launch_takes_one_or_two_groups():
+    b = _valid_buffers()
+    with pytest.raises(ValueError, match="one or two groups"):
+        K.fused_adam_groups_([tuple(b[:5])] * 3, b[5])

@@ -1,0 +1,426 @@
+"""Triton kernels of the replicated-Adam fast path: Adam over flat buffers, hyperparameters by segment.
+
+``fused_adam_`` runs the Adam step of track_1_short/optim/adam.py over every element of one flat buffer (many
+small parameters laid end to end). Each element finds its parameter's row of an fp32 scalar table through an
+int32 segment id; the columns are SCALAR_COLUMNS. ``fused_adam_groups_`` does the same for up to two buffers
+(bf16 and fp32) in one launch, and ``device_scalar_table_`` fills the per-step columns of the table on the
+device from uploaded per-parameter inputs (the no-host-work mode of perf/replicated_adam_device.py).
+
+Numerics: the claim is bitwise equality with the reference step (compiled on CUDA, eager on the CPU).
+- fp32 throughout, one kernel statement per reference statement, operands in the reference's order; bf16
+  parameters and gradients are widened exactly (bits << 16) right after the load.
+- Contractions: the kernel writes plain multiplies and adds, never tl.fma, as Inductor writes the compiled
+  reference; Triton's LLVM back end then fuses ``a*b + c*d`` into one fma the same way in both kernels (the
+  multiply with fewer uses, else the left one), so they agree on CUDA. The interpreter (numpy) and eager CPU
+  torch fuse nothing, so on the CPU they agree bit for bit as well.
+- sqrt is tl.sqrt_rn (IEEE), as Inductor emits for torch.sqrt. Division mirrors Inductor: its fp32 ``/`` is
+  Triton's ``/`` (div.full.f32, approximate) unless Inductor's division-rounding switch is on, then div_rn;
+  the kernel reads the same switch (DIV_RN). The interpreter divides in IEEE either way, as eager CPU torch
+  does.
+- bf16 stores round to nearest even in integer arithmetic on the fp32 bits ((bits + 0x7FFF + lsb) >> 16; NaN
+  becomes 0x7FFF as cvt.rn.bf16.f32 makes it). Triton's interpreter converts fp32 to bf16 toward zero whatever
+  rounding is asked for, while the GPU rounds to nearest even; the integer form is the same on both.
+- An inactive segment (active == 0) is skipped whole: its elements are neither loaded nor stored, so its
+  moments do not decay and its parameter does not move.
+- The device table computes step_size and eff_wd in fp64 with IEEE multiplies and div.rn, from bias
+  corrections that the host computed in Python doubles, then rounds once to fp32: equal to the host table bit
+  for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+SCALAR_COLUMNS = (
+    "beta1",
+    "one_minus_beta1",
+    "beta2",
+    "one_minus_beta2",
+    "eps",
+    "step_size",
+    "eff_wd",
+    "active",
+)
+# The kernels address a row as table_ptr + segment * ROW_STRIDE + column: the literal column offsets below
+# follow SCALAR_COLUMNS' order.
+ROW_STRIDE = 8
+assert len(SCALAR_COLUMNS) == ROW_STRIDE
+COLUMN = {name: index for index, name in enumerate(SCALAR_COLUMNS)}
+
+# Per-step inputs of device_scalar_table_, one row of n parameters each (fp64 [len(STEP_INPUTS), n]).
+STEP_INPUTS = ("lr", "lr_mul", "weight_decay", "wd_mul", "step", "active")
+
+DEFAULT_BLOCK = 1024  # elements per program on the GPU (upstream's choice; 4 warps)
+_NUM_WARPS = 4
+
+
+@triton.jit
+def _widen_bf16(bits):
+    # int16 bit pattern -> fp32 with the same value (exact).
+    return (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_bf16_bits(x):
+    # fp32 -> bf16 bit pattern, round to nearest even; NaN -> the canonical 0x7FFF.
+    bits = x.to(tl.uint32, bitcast=True)
+    lsb = (bits >> 16) & 1
+    rounded = ((bits + 0x7FFF + lsb) >> 16).to(tl.uint16)
+    rounded = tl.where(x != x, 0x7FFF, rounded).to(tl.uint16)
+    return rounded.to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def _adam_block(
+    offs,
+    in_bounds,
+    param_ptr,
+    grad_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    segment_ptr,
+    table_ptr,
+    PARAM_BF16: tl.constexpr,
+    ZERO_GRAD: tl.constexpr,
+    DIV_RN: tl.constexpr,
+):
+    seg = tl.load(segment_ptr + offs, mask=in_bounds, other=0)
+    row = table_ptr + seg * 8  # ROW_STRIDE
+    active = tl.load(row + 7, mask=in_bounds, other=0.0) != 0.0
+    mask = in_bounds & active
+    beta1 = tl.load(row + 0, mask=mask, other=0.0)
+    one_minus_beta1 = tl.load(row + 1, mask=mask, other=0.0)
+    beta2 = tl.load(row + 2, mask=mask, other=0.0)
+    one_minus_beta2 = tl.load(row + 3, mask=mask, other=0.0)
+    eps = tl.load(row + 4, mask=mask, other=1.0)
+    step_size = tl.load(row + 5, mask=mask, other=0.0)
+    eff_wd = tl.load(row + 6, mask=mask, other=0.0)
+
+    if PARAM_BF16:
+        g = _widen_bf16(tl.load(grad_ptr + offs, mask=mask, other=0))  # grad.float()
+        p = _widen_bf16(tl.load(param_ptr + offs, mask=mask, other=0))  # param.float()
+    else:
+        g = tl.load(grad_ptr + offs, mask=mask, other=0.0)
+        p = tl.load(param_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+
+    m = beta1 * m + one_minus_beta1 * g  # beta1 * exp_avg + (1 - beta1) * g
+    v = beta2 * v + one_minus_beta2 * (g * g)  # beta2 * exp_avg_sq + (1 - beta2) * (g * g)
+    denom = tl.sqrt_rn(v) + eps  # v.sqrt() + eps
+    if DIV_RN:
+        ratio = tl.math.div_rn(m, denom)  # m / (...), Inductor with division rounding on
+    else:
+        ratio = m / denom  # m / (...), Inductor's default lowering
+    u = ratio * step_size  # ... * step_size
+    u = tl.where(u * p > 0.0, u + eff_wd * p, u)  # torch.where(u * p > 0, u + eff_wd * p, u)
+    p = p - u  # param.copy_(p - u)
+
+    tl.store(exp_avg_ptr + offs, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+    if PARAM_BF16:
+        tl.store(param_ptr + offs, _round_to_bf16_bits(p), mask=mask)
+    else:
+        tl.store(param_ptr + offs, p, mask=mask)
+    if ZERO_GRAD:
+        # The gradient buffer is autograd's accumulator in the device mode: clear it for the next window.
+        tl.store(grad_ptr + offs, tl.zeros_like(g).to(grad_ptr.dtype.element_ty), mask=in_bounds)
+
+
+@triton.jit
+def _fused_adam_kernel(
+    param_ptr,
+    grad_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    segment_ptr,
+    table_ptr,
+    n_elements,
+    PARAM_BF16: tl.constexpr,
+    ZERO_GRAD: tl.constexpr,
+    DIV_RN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _adam_block(
+        offs,
+        offs < n_elements,
+        param_ptr,
+        grad_ptr,
+        exp_avg_ptr,
+        exp_avg_sq_ptr,
+        segment_ptr,
+        table_ptr,
+        PARAM_BF16,
+        ZERO_GRAD,
+        DIV_RN,
+    )
+
+
+@triton.jit
+def _fused_adam_two_groups_kernel(
+    param0_ptr,
+    grad0_ptr,
+    exp_avg0_ptr,
+    exp_avg_sq0_ptr,
+    segment0_ptr,
+    n0,
+    blocks0,
+    param1_ptr,
+    grad1_ptr,
+    exp_avg1_ptr,
+    exp_avg_sq1_ptr,
+    segment1_ptr,
+    n1,
+    table_ptr,
+    PARAM0_BF16: tl.constexpr,
+    PARAM1_BF16: tl.constexpr,
+    ZERO_GRAD: tl.constexpr,
+    DIV_RN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Programs [0, blocks0) take group 0, the rest group 1: a block never straddles two buffers.
+    pid = tl.program_id(0)
+    if pid < blocks0:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        _adam_block(
+            offs,
+            offs < n0,
+            param0_ptr,
+            grad0_ptr,
+            exp_avg0_ptr,
+            exp_avg_sq0_ptr,
+            segment0_ptr,
+            table_ptr,
+            PARAM0_BF16,
+            ZERO_GRAD,
+            DIV_RN,
+        )
+    else:
+        offs = (pid - blocks0) * BLOCK + tl.arange(0, BLOCK)
+        _adam_block(
+            offs,
+            offs < n1,
+            param1_ptr,
+            grad1_ptr,
+            exp_avg1_ptr,
+            exp_avg_sq1_ptr,
+            segment1_ptr,
+            table_ptr,
+            PARAM1_BF16,
+            ZERO_GRAD,
+            DIV_RN,
+        )
+
+
+@triton.jit
+def _device_scalar_table_kernel(
+    table_ptr,
+    inputs_ptr,
+    corrections_ptr,
+    correction_index_ptr,
+    n,
+    BLOCK_N: tl.constexpr,
+):
+    i = tl.arange(0, BLOCK_N)
+    mask = i < n
+    lr = tl.load(inputs_ptr + 0 * n + i, mask=mask, other=0.0)
+    lr_mul = tl.load(inputs_ptr + 1 * n + i, mask=mask, other=0.0)
+    weight_decay = tl.load(inputs_ptr + 2 * n + i, mask=mask, other=0.0)
+    wd_mul = tl.load(inputs_ptr + 3 * n + i, mask=mask, other=0.0)
+    step = tl.load(inputs_ptr + 4 * n + i, mask=mask, other=0.0).to(tl.int32)
+    active = tl.load(inputs_ptr + 5 * n + i, mask=mask, other=0.0) != 0.0
+    # Correction tables hold t = 0..last; past `last` the value no longer changes in double precision.
+    first_start = tl.load(correction_index_ptr + 0 * n + i, mask=mask, other=0)
+    first_last = tl.load(correction_index_ptr + 1 * n + i, mask=mask, other=0)
+    second_start = tl.load(correction_index_ptr + 2 * n + i, mask=mask, other=0)
+    second_last = tl.load(correction_index_ptr + 3 * n + i, mask=mask, other=0)
+    first = tl.load(corrections_ptr + first_start + tl.minimum(step, first_last), mask=mask, other=1.0)
+    second = tl.load(corrections_ptr + second_start + tl.minimum(step, second_last), mask=mask, other=0.0)
+    first = tl.where(active, first, 1.0)  # an inactive row may sit at t = 0, where 1 - beta1^0 = 0
+
+    lr_eff = lr * lr_mul  # cfg.lr * cfg.lr_mul
+    step_size = lr_eff * second / first  # lr * sqrt(1 - beta2^t) / (1 - beta1^t), fp64 div.rn
+    eff_wd = ((lr_eff * lr_eff) * weight_decay) * wd_mul  # ((lr * lr) * weight_decay) * wd_mul
+    row = table_ptr + i * 8  # ROW_STRIDE
+    tl.store(row + 5, tl.where(active, step_size, 0.0).to(tl.float32), mask=mask)
+    tl.store(row + 6, tl.where(active, eff_wd, 0.0).to(tl.float32), mask=mask)
+    tl.store(row + 7, tl.where(active, 1.0, 0.0).to(tl.float32), mask=mask)
+
+
+_inductor_div_rn: bool | None = None
+
+
+def inductor_divides_rn() -> bool:
+    """Whether Inductor lowers fp32 division to div_rn (its division-rounding switch), not Triton's ``/``."""
+    global _inductor_div_rn
+    if _inductor_div_rn is None:
+        from torch._inductor import config
+
+        eager_numerics = getattr(config, "eager_numerics", None)
+        if eager_numerics is not None and hasattr(eager_numerics, "division_rounding"):
+            _inductor_div_rn = bool(eager_numerics.division_rounding)
+        else:  # torch versions before the switch moved (its old name has the typo)
+            _inductor_div_rn = bool(getattr(config, "emulate_divison_rounding", False))
+    return _inductor_div_rn
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    # bf16 buffers go to the kernel as their raw 16-bit patterns (see the module docstring).
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _check_block(block: int) -> None:
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16, got {block}")
+
+
+def _check_group(name: str, param, grad, exp_avg, exp_avg_sq, segment) -> None:
+    n = param.numel()
+    for what, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.dim() != 1 or not t.is_contiguous() or t.numel() != n:
+            raise ValueError(
+                f"{name}: {what} must be a contiguous 1-D buffer of {n} elements, got {tuple(t.shape)}"
+            )
+        if t.device != param.device:
+            raise ValueError(
+                f"{name}: {what} is on {t.device}, param on {param.device}; put all on one device"
+            )
+    if segment.dim() != 1 or not segment.is_contiguous() or segment.numel() != n:
+        raise ValueError(f"{name}: segment must be a contiguous 1-D buffer of {n} elements")
+    if param.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"{name}: param must be bfloat16 or float32, got {param.dtype}")
+    if grad.dtype != param.dtype:
+        raise TypeError(f"{name}: grad is {grad.dtype} but param is {param.dtype}; they must match")
+    if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
+        raise TypeError(f"{name}: exp_avg and exp_avg_sq must be float32")
+    if segment.dtype != torch.int32:
+        raise TypeError(f"{name}: segment must be int32, got {segment.dtype}")
+
+
+def _check_table(scalars: torch.Tensor, device: torch.device) -> None:
+    if scalars.dtype != torch.float32 or scalars.dim() != 2 or scalars.shape[1] != ROW_STRIDE:
+        raise ValueError(f"scalars must be a float32 [n_params, {ROW_STRIDE}] table (SCALAR_COLUMNS)")
+    if not scalars.is_contiguous() or scalars.device != device:
+        raise ValueError(f"scalars must be contiguous and on {device}")
+
+
+def _div_rn(device: torch.device) -> bool:
+    return device.type == "cuda" and inductor_divides_rn()
+
+
+def launch_fused_adam(
+    param, grad, exp_avg, exp_avg_sq, segment, scalars, block: int, zero_grad: bool
+) -> None:
+    """The unchecked launch behind fused_adam_ (callers that validated their buffers once at construction)."""
+    n = param.numel()
+    _fused_adam_kernel[(triton.cdiv(n, block),)](
+        _bits(param),
+        _bits(grad),
+        exp_avg,
+        exp_avg_sq,
+        segment,
+        scalars,
+        n,
+        PARAM_BF16=param.dtype == torch.bfloat16,
+        ZERO_GRAD=zero_grad,
+        DIV_RN=_div_rn(param.device),
+        BLOCK=block,
+        num_warps=_NUM_WARPS,
+    )
+
+
+def fused_adam_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    segment: torch.Tensor,
+    scalars: torch.Tensor,
+    *,
+    block: int = DEFAULT_BLOCK,
+) -> None:
+    """One Adam step, in place, over flat buffers; element k uses row ``segment[k]`` of ``scalars``.
+
+    param: bf16 or fp32 [N]; grad: param's dtype [N]; exp_avg, exp_avg_sq: fp32 [N]; segment: int32 [N] with
+    values in [0, n_params); scalars: fp32 [n_params, len(SCALAR_COLUMNS)]. Rows with active == 0 are skipped.
+    """
+    _check_block(block)
+    _check_group("fused_adam_", param, grad, exp_avg, exp_avg_sq, segment)
+    _check_table(scalars, param.device)
+    launch_fused_adam(param, grad, exp_avg, exp_avg_sq, segment, scalars, block, zero_grad=False)
+
+
+def launch_fused_adam_groups(groups: Sequence[tuple], scalars, block: int, zero_grad: bool) -> None:
+    """The unchecked launch behind fused_adam_groups_."""
+    first = groups[0]
+    second = groups[1] if len(groups) > 1 else first
+    n0 = first[0].numel()
+    n1 = second[0].numel() if len(groups) > 1 else 0
+    blocks0 = triton.cdiv(n0, block)
+    grid = (blocks0 + triton.cdiv(n1, block),)
+    _fused_adam_two_groups_kernel[grid](
+        _bits(first[0]),
+        _bits(first[1]),
+        first[2],
+        first[3],
+        first[4],
+        n0,
+        blocks0,
+        _bits(second[0]),
+        _bits(second[1]),
+        second[2],
+        second[3],
+        second[4],
+        n1,
+        scalars,
+        PARAM0_BF16=first[0].dtype == torch.bfloat16,
+        PARAM1_BF16=second[0].dtype == torch.bfloat16,
+        ZERO_GRAD=zero_grad,
+        DIV_RN=_div_rn(first[0].device),
+        BLOCK=block,
+        num_warps=_NUM_WARPS,
+    )
+
+
+def fused_adam_groups_(
+    groups: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+    scalars: torch.Tensor,
+    *,
+    zero_grad: bool = False,
+    block: int = DEFAULT_BLOCK,
+) -> None:
+    """fused_adam_ over one or two flat groups (param, grad, exp_avg, exp_avg_sq, segment) in one launch.
+
+    With ``zero_grad`` every in-bounds gradient element is set to zero after it is read (active or not).
+    """
+    if not 1 <= len(groups) <= 2:
+        raise ValueError(f"fused_adam_groups_ takes one or two groups, got {len(groups)}")
+    _check_block(block)
+    for k, group in enumerate(groups):
+        _check_group(f"fused_adam_groups_ group {k}", *group)
+        _check_table(scalars, group[0].device)
+    launch_fused_adam_groups(groups, scalars, block, zero_grad)
+
+
+def device_scalar_table_(
+    table: torch.Tensor,
+    inputs: torch.Tensor,
+    corrections: torch.Tensor,
+    correction_index: torch.Tensor,
+) -> None:
+    """Fill columns step_size, eff_wd and active of ``table`` (fp32 [n, 8]) on its device, in one launch.
+
+    inputs: fp64 [len(STEP_INPUTS), n], per parameter: lr, lr_mul, weight_decay, wd_mul, step (already
+    incremented where active) and active (1.0 or 0.0). corrections: fp64, the concatenated host-computed
+    tables of ``1 - beta1^t`` and ``sqrt(1 - beta2^t)`` for t = 0..last; correction_index: int32 [4, n], per
+    parameter (first start, first last, second start, second last) into corrections.
+    """
+    n = table.shape[0]
+    _device_scalar_table_kernel[(1,)](
+        table, inputs, corrections, correction_index, n, BLOCK_N=max(16, triton.next_power_of_2(n))
+    )
