@@ -1,0 +1,124 @@
+"""One compiled training step of the track1 model trains (GPU), and perf/bench_train_step.py runs end to end.
+
+The GPU test builds the step as the training loop does (configs/model/track1.yaml,
+configs/optim/anvil_adam.yaml, stage 0's shape from configs/schedule/track1.yaml: 16384 tokens), compiled with
+torch.compile. The CPU test runs the benchmark's own command at tiny size and checks that its JSON is what
+perf/results.py renders.
+"""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from track_1_short import schedule
+from track_1_short.perf.bench_meta import REPO_ROOT, REQUIRED_KEYS
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location(
+        "perf_bench_train_step", REPO_ROOT / "perf" / "bench_train_step.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.gpu
+def test_one_compiled_track1_step_is_finite_moves_every_trained_parameter_and_lowers_the_loss():
+    from track_1_short.data import GPT2_BOS_ID
+    from track_1_short.model.gpt import GPT, ModelConfig
+    from track_1_short.optim.anvil import AnvilAndAdam, OptimConfig
+
+    bench = load_bench()
+    configs = REPO_ROOT / "configs"
+    model_cfg = bench.load_structured(ModelConfig, configs / "model" / "track1.yaml")
+    optim_cfg = bench.load_structured(OptimConfig, configs / "optim" / "anvil_adam.yaml")
+    sched = bench.load_structured(schedule.ScheduleConfig, configs / "schedule" / "track1.yaml")
+    (shape,) = bench.stage_shapes(sched, [0], tiny=False)
+    # Tokens from 64 ids only: one step can then lower the loss on its own batch by a wide margin (the unigram
+    # alone is worth ln(50257 / 64) = 6.7 nats), so "lower" cannot pass or fail by noise.
+    batch = bench.synthetic_batches(shape, vocab_size=64, bos_id=GPT2_BOS_ID, device="cuda", seed=0)[0]
+    step = 2 * optim_cfg.adam_every - 1  # an Adam step, so every optimiser path runs
+    plan = schedule.plan(sched, step, optim_cfg.adam_every)
+    assert plan.do_adam
+
+    torch.manual_seed(0)
+    model = GPT(model_cfg).cuda()
+    table = model.param_table()
+    opt = AnvilAndAdam(
+        list(model.named_parameters()), table, model.scatter_order(), model.work_order(), optim_cfg
+    )
+    forward = torch.compile(model, dynamic=False)
+    args = (batch.inputs, batch.targets, batch.cu_seqlens, shape.windows, shape.mtp_weights)
+    before = {p.label: p.detach().clone() for p in model.parameters()}
+
+    opt.set_schedule(plan.lr_multiplier, plan.rail_beta, step)
+    loss = forward(*args)
+    (loss / shape.tokens).backward()
+    had_grad = {p.label for p in model.parameters() if p.grad is not None and bool(p.grad.ne(0).any())}
+    opt.step(plan.do_adam)
+    loss_after = forward(*args)  # the same compiled graph (grad mode unchanged), no recompile
+    torch.cuda.synchronize()
+
+    assert math.isfinite(loss.item()) and math.isfinite(loss_after.item())
+    assert loss_after.item() < loss.item(), (loss.item(), loss_after.item())
+    for p in model.parameters():
+        assert bool(torch.isfinite(p).all()), f"{p.label} is not finite after one step"
+    banks = {label for label, row in table.items() if row["optim"] == "anvil"}
+    assert banks <= had_grad
+
+    def first_adam_step(row) -> float:
+        # Adam's first step moves an element by about its lr: m / sqrt(v) is sign(g).
+        return optim_cfg.adam_lr * row["lr_mul"] * plan.lr_multiplier
+
+    # A smaller step than 1e-3 may round away in bf16 storage (half an ulp at |p| = 0.3 is 2^-10), so only the
+    # parameters whose first step is at least that must have moved; the banks always must.
+    must_move = {label for label in had_grad if label in banks or first_adam_step(table[label]) >= 1e-3}
+    moved = {p.label for p in model.parameters() if not torch.equal(p.detach(), before[p.label])}
+    assert must_move <= moved, f"trained but unchanged: {sorted(must_move - moved)}"
+
+
+def test_bench_runs_tiny_on_cpu_and_writes_what_results_renders(tmp_path):
+    out = tmp_path / "train_step.json"
+    # One stage, one step of each kind after the warm-up: the smallest run that fills every field.
+    flags = ["--device", "cpu", "--tiny", "--stages", "0", "--warmup", "2", "--steps", "2", "--out", str(out)]
+    command = [sys.executable, "perf/bench_train_step.py", *flags]
+    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    assert set(REQUIRED_KEYS) <= set(payload)
+    assert payload["command"].endswith("perf/bench_train_step.py " + " ".join(flags))
+    assert [row["stage"] for row in payload["rows"]] == [0]
+    for row in payload["rows"]:
+        assert row["tokens"] == load_bench().TINY_TOKENS
+        assert row["compiled"] is False
+        for key in (
+            "ms_per_step",
+            "ms_per_step_floor",
+            "tokens_per_s",
+            "mfu_pct",
+            "forward_ms",
+            "backward_ms",
+        ):
+            assert row[key] > 0 and math.isfinite(row[key]), key
+        # The phases tile the step. With one timed step of each kind every median is that step's value and
+        # the cycle mean is linear, so the phase figures add up to the step's up to float rounding.
+        phases = row["forward_ms"] + row["backward_ms"] + row["optimizer_ms"]
+        assert phases == pytest.approx(row["ms_per_step"], rel=1e-9)
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["ms_per_step"] * 1e3)
+        assert row["peak_memory_gib"] is None  # not measured on the CPU, and said so
+    rendered = subprocess.run(
+        [sys.executable, "perf/results.py", "--results-dir", str(tmp_path), "--out", str(tmp_path / "R.md")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    assert "| ms_per_step | ms_per_step (floor) |" in (tmp_path / "R.md").read_text()
