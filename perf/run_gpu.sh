@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Every GPU claim of the project in one command, on a fresh GPU machine with no network. Run from anywhere:
-#   bash perf/run_gpu.sh                         # all stages, in this order:
-#   bash perf/run_gpu.sh tests train_step results   # or only the named ones (to fit a per-command time limit)
-# Stages: tests           python3 -m pytest -m gpu -q                       (log: pytest_gpu.log)
+#   bash perf/run_gpu.sh                              # all stages, in this order:
+#   bash perf/run_gpu.sh tests train_step results     # or only the named ones (to fit a time limit)
+# Stages: tests           python3 -m pytest -m gpu -q                      (log: pytest_gpu.log)
 #         replicated_adam perf/bench_replicated_adam.py -> perf/results/replicated_adam.json
 #         optimizer       perf/bench_optimizer.py       -> perf/results/optimizer.json
 #         train_step      perf/bench_train_step.py      -> perf/results/train_step.json
 #         results         perf/results.py               -> perf/RESULTS.md (from every JSON in perf/results/)
-# The image has torch, triton, numpy, scipy, matplotlib, tqdm and pytest but not hydra-core, omegaconf or antlr4:
-# their wheels travel in .whl/ and are installed into .site/; nothing else is installed.
-# A failing stage is reported loudly and the later stages still run (a GPU hour is scarce); the script then exits 1
-# naming the failed stages. If $OUT is set, the logs, the JSON written by this run and RESULTS.md are copied
-# there (flat names, at most 6 files) whatever happened, including an early failure.
+# The image has torch, triton, numpy, scipy, matplotlib, tqdm and pytest, not hydra-core, omegaconf or
+# antlr4: their wheels travel in .whl/ and are installed into .site/; nothing else is installed.
+# A failing stage is reported loudly and the later stages still run (GPU time is scarce); the script then
+# exits 1 naming the failed stages. With $OUT set, the logs grow there and each stage's JSON (and RESULTS.md)
+# is copied there when the stage ends, so a run cut short still hands back what it did. Flat names, at most
+# 6 files: pytest_gpu.log, bench.log, replicated_adam.json, optimizer.json, train_step.json, RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -19,23 +20,32 @@ all_stages=(tests replicated_adam optimizer train_step results)
 stages=("$@")
 [[ ${#stages[@]} -gt 0 ]] || stages=("${all_stages[@]}")
 for s in "${stages[@]}"; do
-  [[ " ${all_stages[*]} " == *" $s "* ]] || { echo "run_gpu.sh: unknown stage '$s'; stages: ${all_stages[*]}" >&2; exit 2; }
+  if [[ " ${all_stages[*]} " != *" $s "* ]]; then
+    echo "run_gpu.sh: unknown stage '$s'; stages: ${all_stages[*]}" >&2
+    exit 2
+  fi
 done
 
-logs=$(mktemp -d "${TMPDIR:-/tmp}/run_gpu.XXXXXX")
-written=()   # JSON files this run wrote
+if [[ -n ${OUT:-} ]]; then
+  logs=$OUT
+  mkdir -p "$logs"
+else
+  logs=$(mktemp -d "${TMPDIR:-/tmp}/run_gpu.XXXXXX")
+fi
+log=$logs/bench.log
 failed=()
 
-copy_out() {
+die() {  # message: say it on stderr and in the log, then stop
+  echo "run_gpu.sh: $*" | tee -a "$log" >&2
+  exit 1
+}
+
+hand_back() {  # file: copy it next to the logs (nothing to do without $OUT)
+  if [[ -n ${OUT:-} ]]; then cp "$1" "$OUT/$(basename "$1")"; fi
+}
+
+summary() {
   local rc=$?
-  if [[ -n ${OUT:-} ]]; then
-    mkdir -p "$OUT"
-    for f in "$logs/pytest_gpu.log" "$logs/bench.log" "${written[@]}"; do
-      [[ -f $f ]] && cp "$f" "$OUT/$(basename "$f")"
-    done
-    [[ " ${stages[*]} " == *" results "* && -f perf/RESULTS.md ]] && cp perf/RESULTS.md "$OUT/RESULTS.md"
-    echo "run_gpu.sh: copied $(ls "$OUT" | wc -l) file(s) to \$OUT"
-  fi
   if [[ ${#failed[@]} -gt 0 ]]; then
     echo "run_gpu.sh: FAILED stage(s): ${failed[*]} (logs in $logs)" >&2
     rc=1
@@ -46,41 +56,38 @@ copy_out() {
   fi
   exit "$rc"
 }
-trap copy_out EXIT
+trap summary EXIT
 
 # Hydra and OmegaConf: use what is importable, else install the carried wheels (no index, no dependencies).
 if ! python3 -c "import hydra, omegaconf" 2>/dev/null; then
-  if ! compgen -G ".whl/*.whl" >/dev/null; then
-    echo "run_gpu.sh: hydra-core/omegaconf are not importable and .whl/ holds no wheels; put the wheels of" \
-      "hydra-core 1.3.8, omegaconf 2.3.1 and antlr4-python3-runtime 4.9.3 in .whl/ (pip download / pip wheel)." >&2
-    exit 1
-  fi
-  python3 -m pip install -q --no-index --no-deps --upgrade --target .site .whl/*.whl
+  compgen -G ".whl/*.whl" >/dev/null || die "hydra-core/omegaconf are not importable and .whl/ holds no" \
+    "wheels; put those of hydra-core 1.3.8, omegaconf 2.3.1 and antlr4-python3-runtime 4.9.3 in .whl/."
+  python3 -m pip install -q --no-index --no-deps --upgrade --target .site .whl/*.whl 2>&1 | tee -a "$log"
 fi
 export PYTHONPATH="$root/.site:$root:${PYTHONPATH:-}"
 export PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1
 
 {
   echo "run_gpu.sh: stages ${stages[*]}; $(date -u +%FT%TZ)"
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
-    'cuda', torch.version.cuda, 'devices', [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda',
+    torch.version.cuda, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])"
   nvidia-smi 2>/dev/null || echo "(no nvidia-smi)"
-} 2>&1 | tee "$logs/bench.log"
-# Only the results stage may run without a GPU: every other stage would measure or skip nothing and look green.
-if [[ ${stages[*]} != results ]] && ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
-  echo "run_gpu.sh: no CUDA device visible to torch; stages other than 'results' need one." | tee -a "$logs/bench.log" >&2
-  exit 1
+} 2>&1 | tee -a "$log"
+# Only the results stage may run without a GPU: the others would measure or skip everything and look green.
+if [[ ${stages[*]} != results ]] && ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"
+then
+  die "no CUDA device visible to torch; stages other than 'results' need one."
 fi
 
 run_stage() {  # name command...: run it, report its time, remember a failure and go on
   local name=$1 start=$SECONDS rc=0
   shift
-  echo "=== $name: $*" | tee -a "$logs/bench.log"
+  echo "=== $name: $*" | tee -a "$log"
   "$@" || rc=$?
   if [[ $rc -eq 0 ]]; then
-    echo "=== $name: ok in $((SECONDS - start)) s" | tee -a "$logs/bench.log"
+    echo "=== $name: ok in $((SECONDS - start)) s" | tee -a "$log"
   else
-    echo "=== $name: FAILED with exit $rc after $((SECONDS - start)) s" | tee -a "$logs/bench.log" >&2
+    echo "=== $name: FAILED with exit $rc after $((SECONDS - start)) s" | tee -a "$log" >&2
     failed+=("$name")
   fi
 }
@@ -92,12 +99,13 @@ gpu_tests() {
 bench() {  # name: perf/bench_<name>.py --out perf/results/<name>.json
   local script="perf/bench_$1.py" json="perf/results/$1.json"
   [[ -f $script ]] || { echo "$script does not exist" >&2; return 1; }
-  python3 "$script" --out "$json" 2>&1 | tee -a "$logs/bench.log" || return
-  written+=("$root/$json")
+  python3 "$script" --out "$json" 2>&1 | tee -a "$log" || return
+  hand_back "$json"
 }
 
 results_md() {
-  python3 perf/results.py 2>&1 | tee -a "$logs/bench.log"
+  python3 perf/results.py 2>&1 | tee -a "$log" || return
+  hand_back perf/RESULTS.md
 }
 
 for s in "${stages[@]}"; do
