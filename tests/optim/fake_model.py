@@ -5,8 +5,9 @@ per-matrix multipliers, a lm_head / embed pair tied by ``tied_to``, a table whos
 ranks, and replicated tensors in bf16 and fp32 (one of them 0-D). Banks of 3 matrices are padded at world
 size 2.
 
-Gradients are integers in [-8, 8] scaled by 1/16, so every sum and average of a few of them is exact in bf16:
-a run on W ranks and a single process fed the averaged gradients see bitwise the same gradient.
+Gradients are small integers over 16 whose average over the ranks does not depend on the world size (see
+:func:`rank_grads`); every sum and average the optimizer forms of them is exact in bf16, so a run on W ranks
+and a single process fed the averaged gradients see bitwise the same gradient.
 """
 
 from __future__ import annotations
@@ -69,12 +70,12 @@ def param_table(tied: bool = True) -> dict[str, dict]:
     return table
 
 
-def make_params(seed: int = 0) -> list[tuple[str, torch.nn.Parameter]]:
+def make_params(seed: int = 0, device: str | torch.device = "cpu") -> list[tuple[str, torch.nn.Parameter]]:
     """(name, parameter) pairs with ``.label`` set; the same values for the same seed on every rank."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for label, (shape, dtype, _) in SPECS.items():
-        p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.5).to(dtype))
+        p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.5).to(device, dtype))
         p.label = label
         out.append((f"{label}.weight" if p.dim() >= 2 else label, p))
     with torch.no_grad():
@@ -97,21 +98,32 @@ def missing_grad(label: str, step: int) -> bool:
     return (label == "_gate_scale" and step % 4 == 1) or (label == "vo_bank" and step == 2)
 
 
-def rank_grads(step: int, rank: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s gradient of every parameter at training step ``step`` (exactly representable)."""
+def _ints(shape, step: int, index: int, rank: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed((step * 1009 + index) * 1013 + rank + 1)
+    return torch.randint(-4, 5, shape, generator=gen).float()
+
+
+def rank_grads(step: int, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s gradient of every parameter at training step ``step``, out of ``world`` ranks.
+
+    g_r = (base + e_r - e_{r+1 mod world}) / 16 with small random integers base, e: the ranks differ, but
+    their average is base / 16 for any world size, and every partial sum the reductions form is an integer of
+    at most 7 bits over 16, exact in bf16.
+    """
     out = {}
     for i, (label, (shape, dtype, _)) in enumerate(SPECS.items()):
         if missing_grad(label, step):
             continue
-        gen = torch.Generator().manual_seed(1_000_003 * step + 1009 * rank + i)
-        out[label] = (torch.randint(-8, 9, shape, generator=gen).float() / 16).to(dtype)
+        g = _ints(shape, step, i, -1)
+        if world > 1:
+            g = g + _ints(shape, step, i, rank) - _ints(shape, step, i, (rank + 1) % world)
+        out[label] = (g / 16).to(dtype)
     return out
 
 
-def mean_grads(step: int, world: int) -> dict[str, torch.Tensor]:
-    """The average over ``world`` ranks of :func:`rank_grads`, exact (small multiples of 1/16 / world)."""
-    per_rank = [rank_grads(step, r) for r in range(world)]
-    return {k: (sum(g[k].double() for g in per_rank) / world).to(per_rank[0][k].dtype) for k in per_rank[0]}
+def mean_grads(step: int) -> dict[str, torch.Tensor]:
+    """The exact average over any number of ranks of :func:`rank_grads` (= a world of one's gradient)."""
+    return rank_grads(step)
 
 
 def accumulate(named, grads: dict[str, torch.Tensor]) -> None:
@@ -121,6 +133,6 @@ def accumulate(named, grads: dict[str, torch.Tensor]) -> None:
         if g is None:
             continue
         if p.grad is None:
-            p.grad = g.clone()
+            p.grad = g.to(p.device, copy=True)
         else:
-            p.grad.add_(g)
+            p.grad.add_(g.to(p.device))

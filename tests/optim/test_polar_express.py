@@ -34,12 +34,13 @@ def test_maps_send_every_normalised_singular_value_above_the_threshold_to_1():
     assert bool((composed_map(small).diff() > 0).all())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("bank", list(BANK_SHAPES))
-def test_cascade_maps_random_bank_matrices_to_singular_values_within_one_percent_of_1(bank):
+def test_cascade_maps_random_bank_matrices_to_singular_values_within_one_percent_of_1(bank, device):
     rows, cols = BANK_SHAPES[bank]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, rows, cols, generator=gen).bfloat16()
-    y = orthogonalize(x)
+    y = orthogonalize(x.to(device)).cpu()
     assert y.dtype == torch.bfloat16 and y.shape == x.shape
     s_in = torch.linalg.svdvals(x.double())
     s_in = s_in / (1.05 * x.double().norm(dim=(-2, -1), keepdim=True).squeeze(-1))
