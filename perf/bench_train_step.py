@@ -326,8 +326,14 @@ def cycle_mean(per_step: list[float], adam: list[bool], adam_every: int) -> floa
     return (statistics.median(with_adam) + (adam_every - 1) * rest) / adam_every
 
 
-def measure_stage(b: Bench, shape: StageShape, batches: list[Batch], flops_per_token: float) -> dict:
-    """Warm up, time ``b.steps`` steps from the stage's first step, and return the stage's row."""
+def measure_stage(
+    b: Bench, shape: StageShape, batches: list[Batch], flops_per_token: float, attention_flops_pct: float
+) -> dict:
+    """Warm up, time ``b.steps`` steps from the stage's first step, and return the stage's row.
+
+    ``flops_per_token``: training FLOPs per token of the batch; ``attention_flops_pct``: the attention
+    (scores and values) share of them.
+    """
     cuda = b.device.type == "cuda"
 
     def run_step(step: int, timer: Timer | None) -> torch.Tensor:
@@ -395,12 +401,13 @@ def measure_stage(b: Bench, shape: StageShape, batches: list[Batch], flops_per_t
         "resident_memory_gib": resident / GIB if cuda else None,
         "matmul_tflops": b.matmul_tflops,
         "flops_per_token": flops_per_token,
+        "attention_flops_pct": attention_flops_pct,
         "first_step_s": compile_s,
     }
     if cuda and b.profile:
         try:
             row.update(profile_cycle(run_step, first + b.steps, b.adam_every))
-        except RuntimeError as e:  # e.g. no profiler permission on this machine: keep the timings, say why
+        except Exception as e:  # a diagnostic (e.g. no profiler permission here): keep the timings, say why
             print(f"stage {shape.stage}: the kernel breakdown failed: {e}", file=sys.stderr)
             row["profile_error"] = str(e)
     return row
@@ -419,8 +426,8 @@ def stage_note(row: dict) -> str:
     if row.get("gpu_busy_pct") is not None:
         parts.append(
             f"kernels run {row['gpu_busy_pct']:.0f}% of a profiled Adam cycle; of device time GEMMs take "
-            f"{row['gemm_pct']:.0f}%, attention {row['attention_pct']:.0f}%, "
-            f"the rest {row['other_kernel_pct']:.0f}%"
+            f"{row['gemm_pct']:.0f}%, attention {row['attention_pct']:.0f}% (attention is "
+            f"{row['attention_flops_pct']:.0f}% of the FLOPs), the rest {row['other_kernel_pct']:.0f}%"
         )
     return "; ".join(parts) + "."
 
@@ -519,7 +526,9 @@ def main(argv: list[str] | None = None) -> dict:
     for shape in shapes:
         batches = synthetic_batches(shape, model_cfg.vocab_size, GPT2_BOS_ID, device, args.seed + shape.stage)
         fpt = batch_flops_per_token(flops_per_token, model_cfg, batches[0].cu_seqlens.cpu(), shape.windows)
-        row = measure_stage(b, shape, batches, fpt)
+        # At length 1 a query sees only itself: what is left is the FLOPs outside attention (to 1e-4).
+        attention_pct = 100 * (1 - float(flops_per_token(model_cfg, 1, list(shape.windows))) / fpt)
+        row = measure_stage(b, shape, batches, fpt, attention_pct)
         rows.append(row)
         print(stage_note(row), flush=True)
     print_table(rows)

@@ -196,3 +196,34 @@ def test_breakdown_counts_overlap_once_and_shares_kernel_time_by_class():
 
 def test_breakdown_of_a_trace_without_device_work_is_empty():
     assert set(bench.kernel_breakdown(trace(("cpu_op", "aten::mm", 0.0, 5.0))).values()) == {None}
+
+
+def full_row(**extra) -> dict:
+    row = {"stage": 2, "tokens": 49152, "ms_per_step": 80.0, "ms_per_step_floor": 40.0, "mfu_pct": 50.0,
+           "tokens_per_s": 614400.0, "forward_ms": 25.0, "forward_ms_floor": 40.0 / 3, "backward_ms": 45.0,
+           "backward_ms_floor": 80.0 / 3, "optimizer_ms": 10.0, "peak_memory_gib": None,
+           "attention_flops_pct": 2.9}  # fmt: skip
+    return {**row, **extra}
+
+
+def test_stage_note_states_the_gaps_to_the_floors():
+    note = bench.stage_note(full_row())
+    assert note.startswith("stage 2 (49,152 tokens): 80.00 ms/step, 2.00x its floor (50.0% MFU)")
+    assert "forward 25.00 ms (1.88x its floor), backward 45.00 ms (1.69x)" in note
+    assert "optimizer 10.00 ms (12% of the step" in note
+    assert "kernels run" not in note  # no profile, no claim about it
+
+
+def test_stage_note_adds_the_kernel_breakdown_of_a_profiled_cycle():
+    note = bench.stage_note(
+        full_row(gpu_busy_pct=91.0, gemm_pct=70.0, attention_pct=8.0, other_kernel_pct=22.0)
+    )
+    assert "kernels run 91% of a profiled Adam cycle; of device time GEMMs take 70%, attention 8%" in note
+    assert "(attention is 3% of the FLOPs), the rest 22%" in note
+
+
+def test_printed_table_has_a_header_and_one_line_per_row(capsys):
+    bench.print_table([full_row(), full_row(stage=0, tokens=16384)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == list(bench.PRINTED)
+    assert len(lines) == 3 and lines[2].split()[:2] == ["0", "16384"] and lines[1].split()[-1] == "-"

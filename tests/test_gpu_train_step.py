@@ -113,6 +113,7 @@ def test_bench_runs_tiny_on_cpu_and_writes_what_results_renders(tmp_path):
         assert phases == pytest.approx(row["ms_per_step"], rel=1e-9)
         assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["ms_per_step"] * 1e3)
         assert row["peak_memory_gib"] is None  # not measured on the CPU, and said so
+        assert 0 < row["attention_flops_pct"] < 100
     rendered = subprocess.run(
         [sys.executable, "perf/results.py", "--results-dir", str(tmp_path), "--out", str(tmp_path / "R.md")],
         cwd=REPO_ROOT,
