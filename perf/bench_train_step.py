@@ -9,8 +9,9 @@ schedule's Adam cadence; the model is compiled (torch.compile, dynamic=False) on
 configs/schedule/track1.yaml: the record trains on 8 GPUs, so a rank's microbatch is a stage's global batch
 / 8 (stage 0: 16384 tokens, windows (1, 3), MTP weights [1, 0.5, 0.25]; stage 2: 49152 tokens, windows
 (5, 11)). Tokens are random, packed into whole documents (BOS first) whose lengths follow a log-normal with
-median 400 and mean 660 tokens capped at the stage's max_doc_len, close to FineWeb's (about 10B GPT-2 tokens
-in about 15M documents). Batches live on the device, so loading is not timed.
+median 400 tokens (mean 660 before the cap at the stage's max_doc_len), a web-text-like spread: lengths shape
+the attention mask and the per-document work, not the dense matmuls. Batches live on the device, so loading
+is not timed.
 
 Figures per stage: ms/step is the Adam cycle's mean of the per-kind medians (one Adam step and adam_every - 1
 steps without), each step timed with CUDA events from its start to the next step's start after a warm-up;
@@ -59,7 +60,7 @@ class StageShape:
     """One benchmarked configuration: a schedule stage's per-rank microbatch, as at the stage's first step."""
 
     stage: int
-    first_step: int  # timing starts here, so set_schedule and the Adam cadence are the stage's own
+    first_step: int  # the warm-up starts here and timing follows it: set_schedule sees the stage's own steps
     tokens: int  # tokens per step on one rank
     max_doc_len: int  # tokens
     windows: tuple[int, int]  # (short, long), in attention blocks

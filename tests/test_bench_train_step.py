@@ -227,3 +227,24 @@ def test_printed_table_has_a_header_and_one_line_per_row(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == list(bench.PRINTED)
     assert len(lines) == 3 and lines[2].split()[:2] == ["0", "16384"] and lines[1].split()[-1] == "-"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--warmup", "1"], "--warmup 1 must cover an Adam cycle"),
+        (["--stages", "9"], "--stages: stage 9 does not exist"),
+        (["--set", "model"], "--set model: write GROUP.KEY=VALUE"),
+    ],
+)
+def test_bad_flags_are_refused_before_any_work(flags, message, tmp_path):
+    out = tmp_path / "r.json"
+    with pytest.raises(ValueError, match=message):
+        bench.main(["perf/bench_train_step.py", "--device", "cpu", "--tiny", *flags, "--out", str(out)])
+    assert not out.exists()
+
+
+def test_parse_refuses_too_few_timed_steps(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--steps", "1"])
+    assert "--steps >= 2" in capsys.readouterr().err
