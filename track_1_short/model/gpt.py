@@ -600,7 +600,7 @@ class GPT(nn.Module):
         bf16, f32 = torch.bfloat16, torch.float32
 
         def param(*shape: int, dtype=bf16) -> nn.Parameter:
-            return nn.Parameter(torch.zeros(shape, dtype=f32, device=build).to(dtype))
+            return nn.Parameter(torch.zeros(shape, dtype=dtype, device=build))
 
         # bf16 first, then fp32: the optimizer's flat replicated buffers follow registration order.
         self.lm_head = param(d, vp)  # stored transposed: logits = x @ lm_head
@@ -645,8 +645,7 @@ class GPT(nn.Module):
         self._embed_split = False
         self.register_load_state_dict_post_hook(GPT._sync_host_state)
 
-        for name, p in self.named_parameters():
-            p.label = name.replace(".weight", "")
+        self.label_parameters()
         if build != "meta":
             self._init_weights()
         if device.type not in ("cpu", "meta"):
@@ -753,12 +752,23 @@ class GPT(nn.Module):
 
     # -- param table and orders --
 
+    def label_parameters(self) -> dict[str, nn.Parameter]:
+        """Set ``p.label`` (the name, ``.weight`` stripped) on every parameter; return label -> parameter.
+
+        Called at construction and by every table/order method: ``copy.deepcopy`` builds fresh Parameters
+        without attributes, so a copied model regains its labels when its table is read.
+        """
+        params = {}
+        for name, p in self.named_parameters():
+            p.label = name.replace(".weight", "")
+            params[p.label] = p
+        return params
+
     def param_table(self) -> dict[str, dict]:
         """label -> optimizer entry (the model/optimizer contract; see optim/param_config.py)."""
         pt = self.cfg.param_table
         table: dict[str, dict] = {}
-        for p in self.parameters():
-            label = p.label
+        for label, p in self.label_parameters().items():
             if label.endswith("_bank") and label != "ve_gate_bank":
                 table[label] = self._bank_entry(label, p)
                 continue
@@ -800,12 +810,12 @@ class GPT(nn.Module):
 
     def scatter_order(self) -> list[str]:
         """Labels in the order their gradient reductions are launched (every label once)."""
-        present = {p.label for p in self.parameters()}
+        present = set(self.label_parameters())
         return [label for label in SCATTER_ORDER if label in present]
 
     def work_order(self) -> list[str]:
         """Labels in the order they are waited for, updated and gathered (every label once)."""
-        present = {p.label for p in self.parameters()}
+        present = set(self.label_parameters())
         return [label for label in WORK_ORDER if label in present]
 
     # -- input checks --
