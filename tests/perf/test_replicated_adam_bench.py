@@ -49,3 +49,5 @@ def test_fused_launches_are_counted_and_far_fewer_than_per_parameter(bench_resul
     # path hundreds of ops; the fused path a copy, a table upload and a kernel per dtype.
     assert rows["per_param"]["launches"] >= 100 * 5
     assert 2 <= rows["fused"]["launches"] <= 4 * 2
+    # The device mode: one table upload, the table kernel and one Adam kernel for every dtype.
+    assert 2 <= rows["device"]["launches"] <= rows["fused"]["launches"]

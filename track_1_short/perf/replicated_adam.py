@@ -47,7 +47,7 @@ from track_1_short.perf.kernels.replicated_adam import SCALAR_COLUMNS
 SCALAR_TABLE_SLOTS = 8
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
-IMPLS = ("fused",)
+IMPLS = ("fused", "device")
 _CFG_ATTRIBUTES = ("adam_betas", "lr", "lr_mul", "eps", "weight_decay", "wd_mul")
 
 
@@ -339,7 +339,7 @@ class ReplicatedAdam:
             DeviceStep.validate(params, self.param_cfgs)
         self.groups = flatten_replicated(params, param_states, device)
         self.table = torch.zeros((len(params), len(SCALAR_COLUMNS)), dtype=torch.float32, device=device)
-        self._ring = UploadRing(self.table)
+        self._ring = UploadRing(self.table) if impl == "fused" else None
         self._handles: list[distributed.Handle] | None = None
         self._active: list[bool] | None = None
         self._addresses = self._current_addresses()

@@ -1,0 +1,469 @@
+"""ReplicatedAdam(impl="device"): same bits as the other paths, device table, zero-copy gradients, guards.
+
+On the CPU the mode runs eagerly (Triton interpreter, gloo); the CUDA-graph tests are marked gpu.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed_harness import run_ranks
+from tests.perf.replicated_adam_cases import (
+    AdamCfg,
+    assert_bitwise,
+    clone_inventory,
+    make_inventory,
+    pack,
+    per_parameter_step,
+    unpack,
+)
+from track_1_short import distributed
+from track_1_short.optim.adam import first_moment_correction, second_moment_correction
+from track_1_short.perf import replicated_adam_device as dev
+from track_1_short.perf.kernels import replicated_adam as kernels
+from track_1_short.perf.replicated_adam import (
+    FlatViewError,
+    ReplicatedAdam,
+    ReplicatedAdamError,
+    adam_scalar_table,
+)
+
+
+class Trainer:
+    """A parameter set with a loss whose gradient is a chosen weight per parameter, and one Adam path."""
+
+    def __init__(self, params, cfgs, states, impl):
+        self.params, self.cfgs, self.states = params, cfgs, states
+        self.opt = None if impl == "reference" else ReplicatedAdam(params, cfgs, states, "cpu", impl=impl)
+
+    def backward(self, weights, missing=frozenset()):
+        loss = sum(
+            (p.float() * w).sum() for i, (p, w) in enumerate(zip(self.params, weights)) if i not in missing
+        )
+        loss.backward()
+
+    def train_step(self, weights, missing, do_adam):
+        if do_adam and self.opt is not None:
+            self.opt.arm_reduce()
+        self.backward(weights, missing)
+        if not do_adam:
+            return
+        if self.opt is None:
+            per_parameter_step(self.params, self.cfgs, self.states)
+        else:
+            self.opt.launch_reduce()
+            self.opt.update()
+            self.opt.zero_grad()
+
+
+def _weights(params, gen, scale=1.0):
+    return [torch.randn(p.shape, generator=gen) * scale for p in params]
+
+
+def _assert_same(a: Trainer, b: Trainer):
+    for i in range(len(a.params)):
+        label = a.params[i].label
+        assert_bitwise(a.params[i], b.params[i], f"{label} param")
+        assert_bitwise(a.states[i]["exp_avg"], b.states[i]["exp_avg"], f"{label} exp_avg")
+        assert_bitwise(a.states[i]["exp_avg_sq"], b.states[i]["exp_avg_sq"], f"{label} exp_avg_sq")
+        assert a.states[i]["step"] == b.states[i]["step"], f"{label} step"
+
+
+def _trainers(seed, impls=("reference", "fused", "device")):
+    params, cfgs, states = make_inventory(seed=seed, wd_boost=100.0)
+    out = []
+    for impl in impls:
+        p, c, s = clone_inventory(params, cfgs, states)
+        out.append(Trainer(p, c, s, impl))
+    return out
+
+
+def _missing(step, n):
+    # Every third step one parameter has no gradient; parameter 4 none for a whole Adam window (steps 8, 9).
+    missing = {step % n} if step % 3 == 0 else set()
+    return missing | ({4} if step in (8, 9) else set())
+
+
+# ---- same results as the other paths ----------------------------------------------------------------------
+
+
+def test_device_mode_equals_the_reference_and_fused_paths_with_accumulation_and_missing_gradients():
+    trainers = _trainers(seed=0)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(24):
+        weights = _weights(trainers[0].params, gen)
+        lr = 0.008 * (1.0 - step / 30)
+        for t in trainers:
+            for cfg in t.cfgs:
+                cfg.lr = lr
+            t.train_step(weights, _missing(step, len(weights)), do_adam=step % 2 == 1)
+    reference, fused, device = trainers
+    _assert_same(device, reference)
+    _assert_same(fused, reference)
+    steps = [s["step"] for s in device.states]
+    assert steps[4] == 11 and max(steps) == 12  # parameter 4 skipped the window without gradients
+
+
+def test_changing_betas_or_eps_midway_keeps_the_device_mode_bitwise():
+    trainers = _trainers(seed=2, impls=("reference", "device"))
+    gen = torch.Generator().manual_seed(3)
+    for step in range(12):
+        if step == 6:
+            for t in trainers:
+                t.cfgs[1].adam_betas = [0.5, 0.9]
+                t.cfgs[3].eps = 1e-6
+        weights = _weights(trainers[0].params, gen)
+        for t in trainers:
+            t.train_step(weights, set(), do_adam=step % 2 == 1)
+    _assert_same(trainers[1], trainers[0])
+
+
+def test_checkpoint_round_trip_resumes_bit_for_bit_with_state_loaded_in_place():
+    reference, device = _trainers(seed=4, impls=("reference", "device"))
+    gen = torch.Generator().manual_seed(5)
+    schedule = [(_weights(reference.params, gen), step % 2 == 1) for step in range(12)]
+    for weights, do_adam in schedule[:6]:
+        reference.train_step(weights, set(), do_adam)
+        device.train_step(weights, set(), do_adam)
+    saved_params = [p.detach().clone() for p in device.params]
+    saved_state = device.opt.state_dict()
+
+    # A fresh model and optimizer (new flat buffers), values loaded in place as a checkpoint load does.
+    params, cfgs, states = make_inventory(seed=99, wd_boost=100.0)
+    resumed = Trainer(params, device.cfgs, states, "device")
+    with torch.no_grad():
+        for p, value in zip(params, saved_params):
+            p.copy_(value)
+    addresses = [p.data_ptr() for p in params]
+    resumed.opt.load_state_dict(saved_state)
+    resumed.opt.assert_views_intact()
+    assert [p.data_ptr() for p in params] == addresses
+    for weights, do_adam in schedule[6:]:
+        reference.train_step(weights, set(), do_adam)
+        resumed.train_step(weights, set(), do_adam)
+    _assert_same(resumed, reference)
+
+
+def _device_rank_worker(rank, world_size, steps):
+    params, cfgs, states = make_inventory(seed=6, wd_boost=100.0)
+    trainer = Trainer(params, cfgs, states, "device")
+    for step in range(steps):
+        trainer.train_step(_rank_weights(params, rank, step), set(), do_adam=step % 2 == 1)
+    return [pack(p) for p in params] + [pack(s[k]) for s in states for k in ("exp_avg", "exp_avg_sq")]
+
+
+def _rank_weights(params, rank, step):
+    # Multiples of 1/64 below 1 in magnitude: two steps accumulated on two ranks sum exactly even in bf16,
+    # so the average does not depend on how the backend orders or rounds its reduction.
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return [torch.randint(-63, 64, p.shape, generator=gen) / 64 for p in params]
+
+
+def test_two_gloo_ranks_in_device_mode_agree_and_equal_one_process_fed_the_averaged_gradients():
+    steps = 4
+    r0, r1 = ([unpack(x) for x in r] for r in run_ranks(_device_rank_worker, 2, steps))
+    for k, (a, b) in enumerate(zip(r0, r1)):
+        assert_bitwise(a, b, f"tensor {k} across ranks")
+    params, cfgs, states = make_inventory(seed=6, wd_boost=100.0)
+    single = Trainer(params, cfgs, states, "reference")
+    for step in range(steps):
+        w0, w1 = _rank_weights(params, 0, step), _rank_weights(params, 1, step)
+        single.train_step([(a + b) / 2 for a, b in zip(w0, w1)], set(), do_adam=step % 2 == 1)
+    expected = [p.detach() for p in params] + [s[k] for s in states for k in ("exp_avg", "exp_avg_sq")]
+    for k, (a, b) in enumerate(zip(r0, expected)):
+        assert_bitwise(a, b, f"tensor {k} against one process")
+
+
+# ---- the device table -----------------------------------------------------------------------------------
+
+
+def test_device_table_equals_the_host_table_bitwise():
+    n = 9
+    betas = [[0.9, 0.99], [0.0, 0.9], [0.5, 0.95], [0.9, 0.999], [0.75, 0.9999], [0.9, 0.99], [0.99, 0.0]]
+    cfgs = [
+        AdamCfg(
+            adam_betas=betas[i % len(betas)],
+            lr=0.0123 * (1 + i / 7),
+            lr_mul=[5.0, 0.01, 70.0, 0.25][i % 4],
+            weight_decay=[0.005, 2.25, 0.0][i % 3],
+            wd_mul=[0.0, 1.0, 150.0][i % 3],
+            eps=1e-10,
+        )
+        for i in range(n)
+    ]
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(n)]
+    states = [{"step": s, "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)} for s in range(n)]
+    states[2]["step"] = 5000  # past the saturation of 0.5 and 0.95: the tables' last entry
+    states[3]["step"] = 40000  # past 0.999's
+    opt = ReplicatedAdam(params, cfgs, states, "cpu", impl="device")
+    step = opt._device_mode
+    active = [i not in (1, 6) for i in range(n)]
+    shadow = [{"step": s["step"]} for s in states]
+    step.arrived = list(active)
+    step._write_inputs()
+    kernels.device_scalar_table_(opt.table, step.inputs, step.corrections, step.correction_index)
+    expected = adam_scalar_table(params, cfgs, shadow, active)
+    assert [s["step"] for s in states] == [s["step"] for s in shadow]
+    assert np.array_equal(opt.table.numpy().view(np.int32), expected.view(np.int32))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 0.9, 0.95, 0.99, 0.999])
+def test_correction_tables_reach_exactly_one_and_stay_there(beta):
+    for fn in (first_moment_correction, second_moment_correction):
+        table = dev.correction_table(beta, fn)
+        last = len(table) - 1
+        assert table == [fn(beta, t) for t in range(last + 1)]
+        assert table[-1] == 1.0
+        assert all(fn(beta, t) == 1.0 for t in range(last, 3 * last + 10))
+        assert len(table) <= dev.correction_length(beta)
+
+
+# ---- zero-copy gradients and the hook -------------------------------------------------------------------
+
+
+def test_every_grad_is_a_view_into_its_flat_buffer_and_backward_accumulates_there():
+    (trainer,) = _trainers(seed=7, impls=("device",))
+    opt = trainer.opt
+    views = [p.grad for p in trainer.params]
+    for group in opt.groups:
+        for k, i in enumerate(group.indices):
+            assert views[i].data_ptr() == group.grad[group.span(k)].data_ptr()
+    gen = torch.Generator().manual_seed(8)
+    w1, w2 = _weights(trainer.params, gen), _weights(trainer.params, gen)
+    trainer.backward(w1)
+    trainer.backward(w2)
+    for i, p in enumerate(trainer.params):
+        assert p.grad is views[i]
+        expected = (w1[i].to(p.dtype) + w2[i].to(p.dtype)) if p.dtype == torch.bfloat16 else w1[i] + w2[i]
+        assert_bitwise(p.grad, expected, f"accumulated grad {i}")
+
+
+def _count_reduces(monkeypatch):
+    calls = []
+    original = distributed.all_reduce_avg
+
+    def counting(tensor, async_op=False):
+        calls.append(tensor.data_ptr())
+        return original(tensor, async_op=async_op)
+
+    monkeypatch.setattr(dev.distributed, "all_reduce_avg", counting)
+    return calls
+
+
+def test_armed_reduce_starts_inside_backward_when_the_last_gradient_arrives(monkeypatch):
+    (trainer,) = _trainers(seed=9, impls=("device",))
+    calls = _count_reduces(monkeypatch)
+    gen = torch.Generator().manual_seed(10)
+    trainer.backward(_weights(trainer.params, gen))  # not armed: a non-Adam step accumulates
+    assert calls == []
+    trainer.opt.arm_reduce()
+    trainer.backward(_weights(trainer.params, gen))
+    assert sorted(calls) == sorted(
+        g.grad.data_ptr() for g in trainer.opt.groups
+    )  # one per dtype, in backward
+    trainer.opt.launch_reduce()  # already launched by the hook: no second reduce
+    assert len(calls) == len(trainer.opt.groups)
+    trainer.opt.update()
+    assert all(torch.count_nonzero(g.grad) == 0 for g in trainer.opt.groups)  # the kernel cleared them
+
+
+def test_with_a_gradient_missing_the_reduce_waits_for_launch_reduce(monkeypatch):
+    (trainer,) = _trainers(seed=11, impls=("device",))
+    calls = _count_reduces(monkeypatch)
+    trainer.opt.arm_reduce()
+    trainer.backward(_weights(trainer.params, torch.Generator().manual_seed(12)), missing={3})
+    assert calls == []
+    trainer.opt.launch_reduce()
+    assert len(calls) == len(trainer.opt.groups)
+
+
+@pytest.mark.parametrize("replace", ["new tensor", "none"])
+def test_guard_fires_at_the_next_gradient_when_grad_is_replaced(replace):
+    (trainer,) = _trainers(seed=13, impls=("device",))
+    p = trainer.params[5]
+    p.grad = torch.zeros_like(p) if replace == "new tensor" else None
+    with pytest.raises(FlatViewError, match=r"parameter 5 \(mudd_w1\): \.grad was replaced or dropped"):
+        trainer.opt.assert_views_intact()
+    with pytest.raises(FlatViewError, match=r"parameter 5 \(mudd_w1\)"):
+        trainer.backward(_weights(trainer.params, torch.Generator().manual_seed(14)))
+
+
+def test_guard_fires_at_launch_reduce_when_grad_is_replaced_after_backward():
+    (trainer,) = _trainers(seed=15, impls=("device",))
+    trainer.backward(_weights(trainer.params, torch.Generator().manual_seed(16)))
+    trainer.params[0].grad = trainer.params[0].grad.clone()
+    with pytest.raises(FlatViewError, match=r"parameter 0 \(scalars\)"):
+        trainer.opt.launch_reduce()
+
+
+def test_zero_grad_zeroes_the_buffers_and_keeps_the_views():
+    (trainer,) = _trainers(seed=17, impls=("device",))
+    views = [p.grad for p in trainer.params]
+    trainer.backward(_weights(trainer.params, torch.Generator().manual_seed(18)))
+    assert all(torch.count_nonzero(g.grad) > 0 for g in trainer.opt.groups)
+    trainer.opt.zero_grad()
+    assert all(p.grad is v for p, v in zip(trainer.params, views))
+    assert all(torch.count_nonzero(g.grad) == 0 for g in trainer.opt.groups)
+    assert trainer.opt.owns_grads
+
+
+def test_a_gradient_present_at_construction_is_kept_in_its_view_and_counts_as_active():
+    params, cfgs, states = make_inventory(seed=19)
+    grads = [torch.full(p.shape, 0.5).to(p.dtype) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt = ReplicatedAdam(params, cfgs, states, "cpu", impl="device")
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+    opt.launch_reduce()
+    opt.update()
+    assert all(s["step"] == 1 for s in states)
+
+
+# ---- call order and bad input ---------------------------------------------------------------------------
+
+
+def test_a_gradient_after_the_reduce_started_is_rejected():
+    (trainer,) = _trainers(seed=20, impls=("device",))
+    gen = torch.Generator().manual_seed(21)
+    trainer.backward(_weights(trainer.params, gen))
+    trainer.opt.launch_reduce()
+    with pytest.raises(ReplicatedAdamError, match="after the replicated all_reduce started"):
+        trainer.backward(_weights(trainer.params, gen))
+
+
+def test_call_order_errors_name_the_call():
+    (trainer,) = _trainers(seed=22, impls=("device",))
+    with pytest.raises(ReplicatedAdamError, match=r"update\(\) called without launch_reduce\(\)"):
+        trainer.opt.update()
+    trainer.opt.launch_reduce()
+    with pytest.raises(ReplicatedAdamError, match=r"launch_reduce\(\) called twice"):
+        trainer.opt.launch_reduce()
+    with pytest.raises(ReplicatedAdamError, match=r"arm_reduce\(\) called while a reduce is pending"):
+        trainer.opt.arm_reduce()
+    with pytest.raises(ReplicatedAdamError, match=r"zero_grad\(\) called between"):
+        trainer.opt.zero_grad()
+
+
+def test_a_parameter_that_is_not_a_grad_leaf_is_rejected_before_anything_changes():
+    params, cfgs, states = make_inventory(seed=23)
+    params[2].requires_grad_(False)
+    addresses = [p.data_ptr() for p in params]
+    with pytest.raises(
+        ValueError, match=r"parameter 2 \(ve_gate_bank\): impl='device' needs leaf parameters"
+    ):
+        ReplicatedAdam(params, cfgs, states, "cpu", impl="device")
+    assert [p.data_ptr() for p in params] == addresses and all(p.grad is None for p in params)
+
+
+def test_a_beta_too_close_to_one_for_the_correction_table_is_rejected():
+    params, cfgs, states = make_inventory(seed=24)
+    cfgs[7].adam_betas = [0.9, 1 - 1e-6]
+    with pytest.raises(ValueError, match=r"parameter 7 \(mudd_w2g\): beta .* too close to 1"):
+        ReplicatedAdam(params, cfgs, states, "cpu", impl="device")
+
+
+# ---- CUDA graphs (GPU) ----------------------------------------------------------------------------------
+
+
+def _cuda_pair(seed):
+    params, cfgs, states = make_inventory(seed=seed, wd_boost=100.0, device="cuda")
+    fused = ReplicatedAdam(*clone_inventory(params, cfgs, states), "cuda", impl="fused")
+    device = ReplicatedAdam(params, cfgs, states, "cuda", impl="device")
+    return fused, device
+
+
+def _cuda_step(opt, weights, do_adam):
+    if do_adam:
+        opt.arm_reduce()
+    loss = sum((p.float() * w).sum() for p, w in zip(opt.params, weights))
+    loss.backward()
+    if do_adam:
+        opt.launch_reduce()
+        opt.update()
+        opt.zero_grad()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_mode_equals_the_fused_path_bitwise_over_a_hundred_adam_steps():
+    fused, device = _cuda_pair(seed=25)
+    gen = torch.Generator().manual_seed(26)
+    for step in range(200):
+        weights = [w.cuda() for w in _weights(fused.params, gen)]
+        _cuda_step(fused, weights, step % 2 == 1)
+        _cuda_step(device, weights, step % 2 == 1)
+    assert device._device_mode.graphs_trusted and device._device_mode.update_graph is not None
+    torch.cuda.synchronize()
+    for i, (a, b) in enumerate(zip(device.params, fused.params)):
+        assert_bitwise(a, b, f"param {i}")
+        assert_bitwise(device.param_states[i]["exp_avg_sq"], fused.param_states[i]["exp_avg_sq"], f"v {i}")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_that_disagrees_with_the_eager_step_is_refused(monkeypatch):
+    _, device = _cuda_pair(seed=27)
+    step = device._device_mode
+    original = step._launch_update_kernels
+    calls = [0]
+
+    def eager_then_wrong():
+        original()
+        calls[0] += 1
+        if calls[0] == 2:  # inside the capture: the graph writes one more value than the eager step did
+            device.groups[0].exp_avg.add_(1.0)
+
+    monkeypatch.setattr(step, "_launch_update_kernels", eager_then_wrong)
+    weights = [w.cuda() for w in _weights(device.params, torch.Generator().manual_seed(28))]
+    with pytest.raises(RuntimeError, match="CUDA graph of the replicated Adam step disagrees"):
+        _cuda_step(device, weights, do_adam=True)
+    assert not step.graphs_trusted
+
+
+def _nccl_child(rank, world_size, init_file, steps, queue):
+    import os
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        distributed.init("cuda", rank=rank, world_size=world_size, init_method=f"file://{init_file}")
+        params, cfgs, states = make_inventory(seed=29, wd_boost=100.0, device="cuda")
+        fused = ReplicatedAdam(*clone_inventory(params, cfgs, states), "cuda", impl="fused")
+        device = ReplicatedAdam(params, cfgs, states, "cuda", impl="device")
+        for step in range(steps):
+            weights = [w.cuda() for w in _rank_weights(params, rank, step)]
+            _cuda_step(fused, weights, step % 2 == 1)
+            _cuda_step(device, weights, step % 2 == 1)
+        torch.cuda.synchronize()
+        tensors = [pack(p) for p in device.params] + [pack(p) for p in fused.params]
+        queue.put((rank, "ok", (tensors, device._device_mode.reduce_graph is not None)))
+    except BaseException:  # noqa: BLE001 - the traceback goes back to the test
+        import traceback
+
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        distributed.destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_cuda_ranks_replay_the_captured_reduce_and_equal_the_fused_path(tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    store = str(tmp_path / "store")
+    procs = [ctx.Process(target=_nccl_child, args=(r, 2, store, 12, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in range(2):
+        rank, status, payload = queue.get(timeout=600)
+        assert status == "ok", payload
+        results[rank] = payload
+    for p in procs:
+        p.join(timeout=60)
+    (t0, graph0), (t1, graph1) = results[0], results[1]
+    assert graph0 and graph1  # the reduce runs inside the graph on both ranks
+    n = len(t0) // 2
+    for k in range(len(t0)):
+        assert_bitwise(unpack(t0[k]), unpack(t1[k]), f"tensor {k} across ranks")
+    for k in range(n):
+        assert_bitwise(unpack(t0[k]), unpack(t0[n + k]), f"device vs fused param {k}")

@@ -1,0 +1,369 @@
+"""Replicated Adam with the host taken out of the step: the "device" mode of ReplicatedAdam.
+
+What it replaces (``ReplicatedAdam(..., impl="device")``, OptimConfig.replicated_impl = "device"; "fused" is
+perf/replicated_adam.py's host path): per Adam step, the NumPy scalar table, its pinned upload and event wait,
+the foreach copy of the gradients, one all_reduce and one Triton launch per dtype: about 390 us of host time
+per step on an H200, against about 5 us for one CUDA-graph replay of an all_reduce plus a kernel.
+
+Why it is faster:
+- The table is computed on the device. Per step the host writes six fp64 numbers per parameter (lr, lr_mul,
+  weight_decay, wd_mul, step, active) into a pinned slot and uploads them; a one-program kernel computes
+  step_size and eff_wd in fp64 from bias-correction tables the host computed once in Python doubles.
+- Zero-copy gradients: every .grad is a view into its flat gradient buffer, so autograd accumulates there.
+- Overlap: the all_reduce starts from the post-accumulate-grad hook of the last gradient to arrive (after
+  ``arm_reduce()``), while the rest of backward runs.
+- One Adam launch for every dtype; it also clears the gradient buffers it read, so no zeroing launch.
+- On CUDA the reduce (NCCL) and the update (table kernel and Adam kernel) are CUDA graphs, replayed.
+
+Invariants (each tested in tests/perf/test_replicated_adam_device.py):
+1. The same bits as the per-parameter and fused paths: across gradient accumulation over non-Adam steps,
+   missing gradients, checkpoint round trips, hyperparameter changes and two ranks.
+2. The device table equals adam_scalar_table's bit for bit: fp64 multiplies and div.rn are IEEE on both sides,
+   the bias corrections are the host's own doubles (tabulated per beta up to the step where ``1 - beta^t``
+   becomes exactly 1.0), and the one rounding to fp32 is to nearest even on both sides.
+3. Every .grad stays its view into the flat gradient buffer: replacing or dropping one raises FlatViewError at
+   the next gradient hook, launch_reduce() or assert_views_intact().
+4. A parameter is active when one of its gradient hooks ran since the last update; others are skipped whole.
+5. A CUDA graph is trusted only after one replay matched the eager step bit for bit (a reduce graph that does
+   not match is dropped on every rank, the reduce then stays eager).
+
+Provenance: the issue "a replicated-Adam step with no host work"; device-side step counters and a device lr
+follow PyTorch's capturable Adam and microsoft/dion's scalar optimizers, graph capture of the whole step
+with NCCL inside follows dion's cuda_graph.py, post-accumulate-grad hooks follow modded-nanogpt's record 44.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from track_1_short import distributed
+from track_1_short.optim.adam import first_moment_correction, second_moment_correction
+from track_1_short.perf.kernels import replicated_adam as kernels
+from track_1_short.perf.kernels.replicated_adam import STEP_INPUTS
+from track_1_short.perf.replicated_adam import FlatViewError, ReplicatedAdamError, UploadRing, describe
+
+# A correction table covers t = 0..last, where beta^last <= 2^-54 makes 1 - beta^t exactly 1.0 for every later
+# t. last grows like 37 / (1 - beta): 3.7k entries for 0.99, 374k for 0.9999. The cap (8 MB of fp64 per beta)
+# refuses betas closer to 1 than about 1 - 3.6e-5.
+MAX_CORRECTION_STEPS = 1 << 20
+_SATURATED = 2.0**-54  # beta^t at or below this: 1 - beta^t rounds to 1.0 in double precision
+
+
+def correction_table(beta: float, correction) -> list[float]:
+    """``[correction(beta, t) for t = 0..last]`` where ``correction(beta, t)`` is 1.0 for every t >= last."""
+    values = []
+    t = 0
+    while True:
+        values.append(correction(beta, t))
+        if t >= 1 and beta**t <= _SATURATED:
+            assert values[-1] == 1.0
+            return values
+        t += 1
+        if t > MAX_CORRECTION_STEPS:
+            raise ValueError(f"beta {beta} needs more than {MAX_CORRECTION_STEPS} tabulated steps")
+
+
+def correction_length(beta: float) -> int:
+    """An upper bound on len(correction_table(beta, ...)), computed without building it."""
+    if beta == 0.0:
+        return 2
+    return int(math.ceil(math.log(_SATURATED) / math.log(beta))) + 2
+
+
+class DeviceStep:
+    """The per-step machinery of impl="device" (ReplicatedAdam delegates launch_reduce/update/zero_grad)."""
+
+    @staticmethod
+    def validate(params: Sequence[torch.Tensor], param_cfgs: Sequence) -> None:
+        for i, p in enumerate(params):
+            if not (p.is_leaf and p.requires_grad):
+                raise ValueError(
+                    f"{describe(params, i)}: impl='device' needs leaf parameters that require grad (its "
+                    "gradients arrive through post-accumulate-grad hooks); use impl='fused'"
+                )
+        for i, cfg in enumerate(param_cfgs):
+            for beta in cfg.adam_betas:
+                if correction_length(float(beta)) > MAX_CORRECTION_STEPS:
+                    raise ValueError(
+                        f"{describe(params, i)}: beta {beta} is too close to 1 for impl='device' (its "
+                        f"bias-correction table would exceed {MAX_CORRECTION_STEPS} steps); use impl='fused'"
+                    )
+
+    def __init__(self, owner, use_cuda_graphs: bool = True):
+        self.owner = owner
+        self.params = owner.params
+        self.cfgs = owner.param_cfgs
+        self.states = owner.param_states
+        self.groups = owner.groups
+        device = owner.device
+        n = len(self.params)
+        self.grad_views: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
+        for group in self.groups:
+            for k, i in enumerate(group.indices):
+                self.grad_views[i] = group.grad_views[k]
+        self.group_args = [
+            (group.param, group.grad, group.exp_avg, group.exp_avg_sq, group.segment) for group in self.groups
+        ]
+        # Per-step inputs (fp64 [len(STEP_INPUTS), n]) go up through the pinned ring; everything that depends
+        # only on betas and eps is uploaded when they change (see _refresh_static).
+        self.inputs = torch.zeros((len(STEP_INPUTS), n), dtype=torch.float64, device=device)
+        self.ring = UploadRing(self.inputs)
+        self.corrections = torch.zeros(0, dtype=torch.float64, device=device)
+        self.correction_index = torch.zeros((4, n), dtype=torch.int32, device=device)
+        self._static_key: list[tuple] | None = None
+        self._refresh_static()
+
+        # The views become the gradients; a gradient present now is kept (copied into its view, active).
+        self.arrived = [p.grad is not None for p in self.params]
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if p.grad is not None:
+                    self.grad_views[i].copy_(p.grad)
+                p.grad = self.grad_views[i]
+        self._grads_clear = not any(self.arrived)
+        self._armed = False
+        self._armed_arrived = [False] * n
+        self._armed_count = 0
+        self._reduce_state: str | None = None  # None, "hook" (started by a hook) or "call" (launch_reduce)
+        self._handles: list[distributed.Handle] = []
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
+        ]
+
+        self.use_graphs = use_cuda_graphs and device.type == "cuda"
+        # NCCL can be captured; with one process there is no collective to capture.
+        self.reduce_in_graph = self.use_graphs and distributed.world_size() > 1
+        self.graphs_trusted = False
+        self.reduce_graph = None
+        self.update_graph = None
+        self._pre_reduce: list[torch.Tensor] | None = None
+
+    # ---- static data --------------------------------------------------------------------------------------
+
+    def _static_keys(self) -> list[tuple]:
+        return [(float(c.adam_betas[0]), float(c.adam_betas[1]), float(c.eps)) for c in self.cfgs]
+
+    def _refresh_static(self) -> None:
+        """Upload the bias-correction tables and the table's beta/eps columns for the current configs."""
+        keys = self._static_keys()
+        tables: dict[tuple[str, float], tuple[int, int]] = {}
+        values: list[float] = []
+        index = [[0] * len(keys) for _ in range(4)]
+        for i, (beta1, beta2, _eps) in enumerate(keys):
+            for slot, (kind, beta, fn) in enumerate(
+                (("first", beta1, first_moment_correction), ("second", beta2, second_moment_correction))
+            ):
+                if (kind, beta) not in tables:
+                    table = correction_table(beta, fn)
+                    tables[(kind, beta)] = (len(values), len(table) - 1)
+                    values += table
+                start, last = tables[(kind, beta)]
+                index[2 * slot][i], index[2 * slot + 1][i] = start, last
+        device = self.owner.device
+        self.corrections = torch.tensor(values, dtype=torch.float64, device=device)
+        self.correction_index.copy_(torch.tensor(index, dtype=torch.int32))
+        static = [[b1, 1.0 - b1, b2, 1.0 - b2, eps] for b1, b2, eps in keys]
+        self.owner.table[:, :5].copy_(torch.tensor(static, dtype=torch.float64).to(torch.float32))
+        self._static_key = keys
+        # The corrections tensor moved: a captured update graph would read freed memory.
+        self.graphs_trusted = False
+        self.update_graph = None
+
+    # ---- gradients ----------------------------------------------------------------------------------------
+
+    def _make_hook(self, i: int):
+        def hook(param: torch.Tensor) -> None:
+            self._on_gradient(i, param)
+
+        return hook
+
+    def _on_gradient(self, i: int, param: torch.Tensor) -> None:
+        if param.grad is not self.grad_views[i]:
+            raise FlatViewError(self._grad_message(i))
+        if self._reduce_state is not None:
+            raise ReplicatedAdamError(
+                f"{describe(self.params, i)} received a gradient after the replicated all_reduce started; "
+                "call update() before the next backward"
+            )
+        self._grads_clear = False
+        self.arrived[i] = True
+        if self._armed and not self._armed_arrived[i]:
+            self._armed_arrived[i] = True
+            self._armed_count += 1
+            if self._armed_count == len(self.params):
+                self._start_reduce("hook")
+
+    def _grad_message(self, i: int) -> str:
+        return (
+            f"{describe(self.params, i)}: .grad was replaced or dropped; with impl='device' it must stay the "
+            "view into the flat gradient buffer (clear gradients with ReplicatedAdam.zero_grad(), load them "
+            "with p.grad.copy_(...))"
+        )
+
+    def assert_grads_intact(self) -> None:
+        for i, p in enumerate(self.params):
+            if p.grad is not self.grad_views[i]:
+                raise FlatViewError(self._grad_message(i))
+
+    def arm_reduce(self) -> None:
+        if self._reduce_state is not None:
+            raise ReplicatedAdamError("arm_reduce() called while a reduce is pending; call update() first")
+        self._armed = True
+        self._armed_arrived = [False] * len(self.params)
+        self._armed_count = 0
+
+    def zero_grad(self) -> None:
+        if self._reduce_state is not None:
+            raise ReplicatedAdamError("zero_grad() called between launch_reduce() and update()")
+        if not self._grads_clear:
+            for group in self.groups:
+                group.grad.zero_()
+            self._grads_clear = True
+        self.arrived = [False] * len(self.params)
+        self._armed = False
+
+    # ---- the step -----------------------------------------------------------------------------------------
+
+    def _start_reduce(self, by: str) -> None:
+        self._armed = False
+        self._reduce_state = by
+        if self.use_graphs and not self.graphs_trusted and self.reduce_in_graph:
+            # The first step is also the graph's check: keep the gradients as they were before the reduce.
+            self._pre_reduce = [group.grad.clone() for group in self.groups]
+        if self.reduce_graph is not None and self.graphs_trusted:
+            self.reduce_graph.replay()
+            self._handles = []
+        else:
+            self._handles = [distributed.all_reduce_avg(group.grad, async_op=True) for group in self.groups]
+
+    def launch_reduce(self) -> None:
+        if self._reduce_state == "call":
+            raise ReplicatedAdamError("launch_reduce() called twice without update() in between")
+        self.assert_grads_intact()
+        if self._reduce_state is None:
+            self._start_reduce("call")
+        self._reduce_state = "call"
+
+    def _write_inputs(self) -> None:
+        """This step's per-parameter row (STEP_INPUTS order), and the step increments of active parameters."""
+        rows = self.ring.host_buffer()
+        n = len(self.params)
+        lr, lr_mul, weight_decay, wd_mul = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+        step, active = [0.0] * n, [0.0] * n
+        for i, (cfg, state, is_active) in enumerate(zip(self.cfgs, self.states, self.arrived)):
+            if is_active:
+                state["step"] += 1
+                active[i] = 1.0
+            step[i] = state["step"]
+            lr[i], lr_mul[i], weight_decay[i], wd_mul[i] = cfg.lr, cfg.lr_mul, cfg.weight_decay, cfg.wd_mul
+        rows[0], rows[1], rows[2], rows[3], rows[4], rows[5] = lr, lr_mul, weight_decay, wd_mul, step, active
+        self.ring.upload()
+
+    def _launch_update_kernels(self) -> None:
+        kernels.device_scalar_table_(self.owner.table, self.inputs, self.corrections, self.correction_index)
+        kernels.launch_fused_adam_groups(self.group_args, self.owner.table, self.owner.block, zero_grad=True)
+
+    def update(self) -> None:
+        if self._reduce_state is None:
+            raise ReplicatedAdamError("update() called without launch_reduce(); call launch_reduce() first")
+        if self._static_keys() != self._static_key:
+            self._refresh_static()
+        self._write_inputs()
+        if self.use_graphs and not self.graphs_trusted:
+            self._capture_and_check()
+        elif self.update_graph is not None:
+            self.update_graph.replay()
+        else:
+            for handle in self._handles:
+                handle.wait()
+            self._launch_update_kernels()
+        self._handles = []
+        self._reduce_state = None
+        self._grads_clear = True
+        self.arrived = [False] * len(self.params)
+
+    # ---- CUDA graphs --------------------------------------------------------------------------------------
+
+    def _snapshot(self) -> list[torch.Tensor]:
+        out = [self.owner.table.clone()]
+        for group in self.groups:
+            out += [group.param.clone(), group.grad.clone(), group.exp_avg.clone(), group.exp_avg_sq.clone()]
+        return out
+
+    def _restore(self, snapshot: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        self.owner.table.copy_(snapshot[0])
+        for k, group in enumerate(self.groups):
+            param, _, exp_avg, exp_avg_sq = snapshot[1 + 4 * k : 5 + 4 * k]
+            group.param.copy_(param)
+            group.exp_avg.copy_(exp_avg)
+            group.exp_avg_sq.copy_(exp_avg_sq)
+            group.grad.copy_(grads[k])
+
+    def _capture_and_check(self) -> None:
+        """Run this step eagerly, then rewind, capture, replay, and trust the graphs only if the bits agree.
+
+        The reduce is captured too when this step's reduce ran eagerly (the first step); after a change of
+        betas or eps only the update graph is captured again, behind the trusted reduce graph. A reduce graph
+        whose result differs from the eager all_reduce on any rank (NCCL may pick another algorithm inside a
+        graph) is dropped on every rank and the reduce stays eager, with a warning; an update graph that
+        differs is an error.
+        """
+        for handle in self._handles:
+            handle.wait()
+        capture_reduce = self.reduce_in_graph and self._pre_reduce is not None
+        reduced = [group.grad.clone() for group in self.groups]
+        before = self._snapshot()
+        self._launch_update_kernels()
+        eager = self._snapshot()
+
+        self._restore(before, self._pre_reduce if capture_reduce else reduced)
+        torch.cuda.synchronize(self.owner.device)
+        if capture_reduce:
+            self.reduce_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.reduce_graph, capture_error_mode="thread_local"):
+                for group in self.groups:
+                    distributed.all_reduce_avg(group.grad)
+        self.update_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.update_graph, capture_error_mode="thread_local"):
+            self._launch_update_kernels()
+        if capture_reduce:
+            self.reduce_graph.replay()
+            differs = torch.tensor(
+                [float(not all(_same_bits(g.grad, r) for g, r in zip(self.groups, reduced)))],
+                device=self.owner.device,
+            )
+            distributed.all_reduce_max(differs)  # one decision on every rank: the collectives must match
+            if differs.item() != 0.0:
+                warnings.warn(
+                    "the all_reduce captured in a CUDA graph reduced differently from the eager one; the "
+                    "replicated reduce stays eager (the update is still a graph)",
+                    stacklevel=3,
+                )
+                self.reduce_graph = None
+                self.reduce_in_graph = False
+                for group, grad in zip(self.groups, reduced):
+                    group.grad.copy_(grad)
+        self.update_graph.replay()
+        replayed = self._snapshot()
+        self._pre_reduce = None
+        names = ["table"] + [
+            f"{g.dtype} {w}" for g in self.groups for w in ("param", "grad", "exp_avg", "exp_avg_sq")
+        ]
+        differing = [name for name, a, b in zip(names, eager, replayed) if not _same_bits(a, b)]
+        if differing:
+            self.reduce_graph = self.update_graph = None
+            raise RuntimeError(
+                "the CUDA graph of the replicated Adam step disagrees with the eager step in "
+                f"{', '.join(differing)}; construct ReplicatedAdam with use_cuda_graphs=False"
+            )
+        self.graphs_trusted = True
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.reshape(-1), b.reshape(-1)
+    view = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(view), b.view(view))
