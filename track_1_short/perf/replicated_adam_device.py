@@ -8,7 +8,9 @@ per step on an H200, against about 5 us for one CUDA-graph replay of an all_redu
 Why it is faster:
 - The table is computed on the device. Per step the host writes six fp64 numbers per parameter (lr, lr_mul,
   weight_decay, wd_mul, step, active) into a pinned slot and uploads them; a one-program kernel computes
-  step_size and eff_wd in fp64 from bias-correction tables the host computed once in Python doubles.
+  step_size and eff_wd in fp64 from bias-correction tables the host computed once in Python doubles. The
+  step counters stay the state dicts' ints (what checkpoints save and load) and ride in that same upload, so
+  a loaded checkpoint cannot leave a stale counter on the device.
 - Zero-copy gradients: every .grad is a view into its flat gradient buffer, so autograd accumulates there.
 - Overlap: the all_reduce starts from the post-accumulate-grad hook of the last gradient to arrive (after
   ``arm_reduce()``), while the rest of backward runs.
