@@ -7,10 +7,11 @@ per step on an H200, against about 5 us for one CUDA-graph replay of an all_redu
 
 Why it is faster:
 - The table is computed on the device. Per step the host writes six fp64 numbers per parameter (lr, lr_mul,
-  weight_decay, wd_mul, step, active) into a pinned slot and uploads them; a one-program kernel computes
-  step_size and eff_wd in fp64 from bias-correction tables the host computed once in Python doubles. The
-  step counters stay the state dicts' ints (what checkpoints save and load) and ride in that same upload, so
-  a loaded checkpoint cannot leave a stale counter on the device.
+  weight_decay, wd_mul, step, active) into pinned memory, copied up by the update graph itself (without
+  graphs, through UploadRing); a one-program kernel computes step_size and eff_wd in fp64 from
+  bias-correction tables the host computed once in Python doubles. The step counters stay the state dicts'
+  ints (what checkpoints save and load) and ride in that same upload, so a loaded checkpoint cannot leave a
+  stale counter on the device.
 - Zero-copy gradients: every .grad is a view into its flat gradient buffer, so autograd accumulates there.
 - Overlap: the all_reduce starts from the post-accumulate-grad hook of the last gradient to arrive (after
   ``arm_reduce()``), while the rest of backward runs.
@@ -113,7 +114,15 @@ class DeviceStep:
         # Per-step inputs (fp64 [len(STEP_INPUTS), n]) go up through the pinned ring; everything that depends
         # only on betas and eps is uploaded when they change (see _refresh_static).
         self.inputs = torch.zeros((len(STEP_INPUTS), n), dtype=torch.float64, device=device)
-        self.ring = UploadRing(self.inputs)
+        self.use_graphs = use_cuda_graphs and device.type == "cuda"
+        if self.use_graphs:
+            # The update graph copies from one fixed pinned buffer; the host rewrites it only after the event
+            # recorded behind the last replay (two training steps earlier: it has long retired).
+            self._pinned_inputs = torch.zeros(self.inputs.shape, dtype=torch.float64, pin_memory=True)
+            self._pinned_rows = self._pinned_inputs.numpy()
+            self._inputs_read = torch.cuda.Event()
+        else:
+            self.ring = UploadRing(self.inputs)
         self.corrections = torch.zeros(0, dtype=torch.float64, device=device)
         self.correction_index = torch.zeros((4, n), dtype=torch.int32, device=device)
         self._static_key: list[tuple] | None = None
@@ -136,7 +145,6 @@ class DeviceStep:
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
         ]
 
-        self.use_graphs = use_cuda_graphs and device.type == "cuda"
         # NCCL can be captured; with one process there is no collective to capture.
         self.reduce_in_graph = self.use_graphs and distributed.world_size() > 1
         self.graphs_trusted = False
@@ -250,39 +258,58 @@ class DeviceStep:
             self._start_reduce("call")
         self._reduce_state = "call"
 
-    def _write_inputs(self) -> None:
-        """This step's per-parameter row (STEP_INPUTS order), and the step increments of active parameters."""
-        rows = self.ring.host_buffer()
+    def _write_inputs(self) -> bool:
+        """Write this step's per-parameter inputs (STEP_INPUTS order) and count the active parameters' steps.
+
+        Returns whether a beta or eps changed since the static data was built (read in the same pass).
+        """
+        if self.use_graphs:
+            self._inputs_read.synchronize()  # the last replay has copied the pinned inputs
+            rows = self._pinned_rows
+        else:
+            rows = self.ring.host_buffer()
         n = len(self.params)
         lr, lr_mul, weight_decay, wd_mul = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         step, active = [0.0] * n, [0.0] * n
-        for i, (cfg, state, is_active) in enumerate(zip(self.cfgs, self.states, self.arrived)):
+        changed = False
+        for i, (cfg, state, is_active, key) in enumerate(
+            zip(self.cfgs, self.states, self.arrived, self._static_key)
+        ):
             if is_active:
                 state["step"] += 1
                 active[i] = 1.0
             step[i] = state["step"]
             lr[i], lr_mul[i], weight_decay[i], wd_mul[i] = cfg.lr, cfg.lr_mul, cfg.weight_decay, cfg.wd_mul
+            betas = cfg.adam_betas
+            changed = changed or betas[0] != key[0] or betas[1] != key[1] or cfg.eps != key[2]
         rows[0], rows[1], rows[2], rows[3], rows[4], rows[5] = lr, lr_mul, weight_decay, wd_mul, step, active
-        self.ring.upload()
+        if not self.use_graphs:
+            self.ring.upload()
+        return changed
 
     def _launch_update_kernels(self) -> None:
+        if self.use_graphs:
+            # Inside the update graph: one host-to-device copy node from the one pinned buffer.
+            self.inputs.copy_(self._pinned_inputs, non_blocking=True)
         kernels.device_scalar_table_(self.owner.table, self.inputs, self.corrections, self.correction_index)
         kernels.launch_fused_adam_groups(self.group_args, self.owner.table, self.owner.block, zero_grad=True)
 
     def update(self) -> None:
         if self._reduce_state is None:
             raise ReplicatedAdamError("update() called without launch_reduce(); call launch_reduce() first")
-        if self._static_keys() != self._static_key:
+        if self._write_inputs():
             self._refresh_static()
-        self._write_inputs()
         if self.use_graphs and not self.graphs_trusted:
             self._capture_and_check()
-        elif self.update_graph is not None:
-            self.update_graph.replay()
         else:
-            for handle in self._handles:
+            for handle in self._handles:  # none when the reduce is a graph
                 handle.wait()
-            self._launch_update_kernels()
+            if self.update_graph is not None:
+                self.update_graph.replay()
+            else:
+                self._launch_update_kernels()
+        if self.use_graphs:
+            self._inputs_read.record()
         self._handles = []
         self._reduce_state = None
         self._grads_clear = True
