@@ -7,10 +7,12 @@ Workers must be importable module-level functions (spawned children unpickle the
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -25,7 +27,11 @@ def _child(fn, rank, world_size, init_file, args, queue):
     try:
         distributed.init("cpu", rank=rank, world_size=world_size, init_method=f"file://{init_file}")
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Serialised to bytes: a tensor put on the queue as-is travels through shared memory, which this child
+        # may tear down (by exiting) before the parent has opened it.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - the traceback goes back to the test
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -50,7 +56,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
             for _ in range(world_size):
                 rank, status, payload = queue.get(timeout=timeout_s)
                 if status == "ok":
-                    results[rank] = payload
+                    results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
                 else:
                     errors.append(f"rank {rank} failed:\n{payload}")
                     break
