@@ -1,0 +1,141 @@
+"""The config schema: every group option and preset composes; typos, bad types, impossible runs fail."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from track_1_short import schedule
+from track_1_short.config import ConfigError, TrainConfig, accumulation_steps, check_run, to_object
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+GROUPS = ("model", "data", "optim", "schedule", "experiment")
+
+
+def compose_train(*overrides: str):
+    with initialize_config_dir(str(CONFIGS), version_base=None):
+        return compose("train", overrides=list(overrides))
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in options(g)])
+def test_every_group_option_composes_into_the_schema(group, option):
+    cfg = to_object(compose_train(f"{group}={option}"))
+    assert isinstance(cfg, TrainConfig)
+    assert schedule.total_steps(cfg.schedule) > 0
+
+
+def test_every_group_the_issue_names_has_its_options():
+    assert {"tiny", "track1"} <= set(options("model"))
+    assert {"synthetic", "fineweb10B"} <= set(options("data"))
+    assert {"anvil_adam"} <= set(options("optim"))
+    assert {"smoke", "track1"} <= set(options("schedule"))
+    assert {"default", "record", "smoke_record"} <= set(options("experiment"))
+
+
+def test_default_composition_is_the_embedded_cpu_run():
+    with initialize_config_dir(str(CONFIGS), version_base=None):
+        cfg = compose("train", return_hydra_config=True)
+    choices = cfg.hydra.runtime.choices
+    assert (choices.model, choices.data, choices.optim, choices.schedule) == (
+        "tiny",
+        "synthetic",
+        "anvil_adam",
+        "smoke",
+    )
+    assert cfg.optim.replicated_impl == "fused"  # the replicated fast path is on by default
+
+
+def test_record_preset_selects_the_full_model_data_and_schedule():
+    cfg = to_object(compose_train("experiment=record"))
+    assert schedule.total_steps(cfg.schedule) == 1194
+    assert cfg.smoke_target == 3.28
+    check_run(cfg, world_size=8)
+    check_run(cfg, world_size=1)  # gradient accumulation keeps the global batch on one GPU
+
+
+def test_smoke_record_preset_names_a_target():
+    cfg = to_object(compose_train("experiment=smoke_record"))
+    assert cfg.smoke_target is not None and cfg.smoke_target > 0
+
+
+def test_command_line_overrides_reach_the_typed_config():
+    cfg = to_object(
+        compose_train("seed=7", "schedule.lr_floor=0.25", "optim.adam_every=3", "checkpoint.every=6")
+    )
+    assert (cfg.seed, cfg.schedule.lr_floor, cfg.optim.adam_every, cfg.checkpoint.every) == (7, 0.25, 3, 6)
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["sedd=1", "model.no_such_field=1", "schedule.lr_flor=0.3", "checkpoint.evry=3"],
+)
+def test_unknown_key_fails_at_compose_time(override):
+    with pytest.raises(ConfigCompositionException, match=override.split("=")[0].split(".")[-1]):
+        compose_train(override)
+
+
+@pytest.mark.parametrize("override", ["seed=abc", "checkpoint.every=often", "schedule.lr_floor=low"])
+def test_wrong_type_fails_at_compose_time(override):
+    with pytest.raises(ConfigCompositionException):
+        compose_train(override)
+
+
+def test_unknown_group_option_fails_at_compose_time():
+    with pytest.raises(ConfigCompositionException, match="huge"):
+        compose_train("model=huge")
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("log_every=0", "log_every"),
+        ("device=tpu", "device"),
+        ("checkpoint.every=-1", "checkpoint.every"),
+        ("micro_batch_tokens=-5", "micro_batch_tokens"),
+        ("checkpoint.every=3", "multiple of optim.adam_every"),
+    ],
+)
+def test_impossible_run_fields_raise_config_error(override, match):
+    with pytest.raises(ConfigError, match=match):
+        to_object(compose_train(override))
+
+
+def test_schedule_errors_surface_as_config_errors():
+    with pytest.raises(ConfigError, match="cooldown_frac"):
+        to_object(compose_train("schedule.cooldown_frac=2.0"))
+
+
+def test_batch_that_cannot_split_over_the_world_is_rejected_with_the_fix():
+    cfg = to_object(compose_train())
+    cfg.schedule.stages[0].batch_tokens = 1000
+    with pytest.raises(ConfigError, match=r"batch_tokens=1000 cannot be split over 3 rank"):
+        check_run(cfg, world_size=3)
+
+
+def test_data_vocabulary_larger_than_the_model_is_rejected():
+    cfg = to_object(compose_train())
+    cfg.model.vocab_size = 64
+    with pytest.raises(ConfigError, match="vocab"):
+        check_run(cfg, world_size=1)
+
+
+def test_accumulation_keeps_the_global_batch_for_any_world_size():
+    assert accumulation_steps(8192, 1, 4096) == 2
+    assert accumulation_steps(8192, 2, 4096) == 1
+    assert accumulation_steps(8192, 4, 4096) == 1
+    assert accumulation_steps(8192, 1, 0) == 1
+    assert accumulation_steps(131072, 1, 49152) == 4  # 3 would not split evenly; 4 x 32768 does
+    for world in (1, 2, 4, 8):
+        accum = accumulation_steps(393216, world, 49152)
+        assert (393216 // world // accum) * world * accum == 393216
+
+
+def test_schema_is_registered_for_the_yaml_defaults():
+    cfg = compose_train()
+    assert OmegaConf.get_type(cfg) is TrainConfig
