@@ -73,8 +73,8 @@ def test_pads_and_frozen_matrices_get_exactly_zero_gradient(model):
 
 def test_bf16_compute_runs_forward_and_backward():
     torch.manual_seed(0)
-    model = GPT(load_config("tiny"))  # the preset as shipped computes in fp32; the GPU default is bf16
-    model.compute_dtype = torch.bfloat16
+    model = GPT(load_config("tiny"))  # the preset as shipped: bf16 compute (the other tests run fp32)
+    assert model.compute_dtype == torch.bfloat16
     inputs, targets, cu = packed_batch([70, 58])
     loss = model(inputs, targets, cu, WINDOWS)
     loss.backward()

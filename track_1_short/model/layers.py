@@ -144,41 +144,49 @@ class _SoftcappedCrossEntropySum(torch.autograd.Function):
         tgt = targets[idx]
         weight_c = weight.to(x.dtype)
         bias = torch.full((1, weight.size(1)), shift, dtype=x.dtype, device=x.device)
+        neg_cap = torch.tensor(-cap, dtype=torch.float32, device=x.device)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
+        # One set of [rows, V] buffers reused by every chunk: a fresh block per chunk would be a fresh mmap on
+        # the CPU, and its page faults cost as much as the arithmetic.
+        rows = min(chunk_rows, num_tokens)
+        logit_buf = torch.empty((rows, weight.size(1)), dtype=x.dtype, device=x.device)
+        sig_buf = logit_buf if x.dtype == torch.float32 else torch.empty_like(logit_buf, dtype=torch.float32)
+        exp_buf = torch.empty_like(sig_buf)
         if need_grad:
             grad_x = torch.empty_like(x)
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+            grad_buf = torch.empty_like(logit_buf)
+            grad_w_part = None if x.dtype == torch.float32 else torch.empty_like(weight_c)
         for lo in range(0, num_tokens, chunk_rows):
             hi = min(lo + chunk_rows, num_tokens)
             xc = x[lo:hi]
             # s = sigmoid((x W + shift) / temperature), the bias and scale fused into the GEMM: [rows, V] fp32
-            s = (
-                torch.addmm(bias, xc, weight_c, beta=1.0 / temperature, alpha=1.0 / temperature)
-                .float()
-                .sigmoid_()
-            )
+            u = torch.addmm(bias, xc, weight_c, beta=1.0 / temperature, alpha=1.0 / temperature,
+                            out=logit_buf[: hi - lo])  # fmt: skip
+            s = sig_buf[: hi - lo]
+            if sig_buf is not logit_buf:
+                s.copy_(u)
+            s.sigmoid_()
             # z = cap * s lies in (0, cap]: cap is a safe fixed max for the log-sum-exp (upstream's kernel)
-            e = s.mul(cap).sub_(cap).exp_()  # exp(z - cap)
+            e = torch.add(neg_cap, s, alpha=cap, out=exp_buf[: hi - lo]).exp_()  # exp(z - cap)
             sum_e = e.sum(-1)  # [rows]
             lse = cap + sum_e.log()  # [rows]
-            t_c, v_c = tgt[:, lo:hi], valid[:, lo:hi]  # [K, rows]
-            z_t = cap * s.gather(1, t_c.T).T  # [K, rows]
-            total += ((lse[None, :] - z_t) * v_c.float() * w_k[:, None]).sum()
+            t_c, v_c = tgt[:, lo:hi].T, valid[:, lo:hi].T.float()  # [rows, K]
+            s_t = s.gather(1, t_c)  # [rows, K]
+            total += ((lse[:, None] - cap * s_t) * v_c * w_k).sum()
             if not need_grad:
                 continue
-            # dLoss/dz = row_weight * softmax(z) - sum_k w_k onehot(target_k); dz/dlogit = cap/temp * s(1-s)
-            scale = row_weight[lo:hi] * (cap / temperature) / sum_e  # [rows]
-            g = e.mul_(scale[:, None])
-            dsig = torch.addcmul(s, s, s, value=-1.0)  # s (1 - s)
-            onehot_w = (v_c.float() * w_k[:, None]).T * (cap / temperature)  # [rows, K]
-            g.scatter_add_(1, t_c.T, -onehot_w)
-            g.mul_(dsig)
-            g_c = g.to(x.dtype)
-            grad_x[lo:hi] = g_c @ weight_c.T
-            if x.dtype == torch.float32:
-                grad_w.addmm_(xc.T, g_c)
+            # dLoss/dz = row_weight * softmax(z) - sum_k w_k onehot(target_k); dz/dlogit = cap/temp * s(1-s).
+            # Built as q = (row_weight * cap/temp / sum_e) * e * s, minus cap/temp * w_k * s_t at the targets,
+            # then g = q (1 - s) = q - q s, rounded once into the compute dtype.
+            q = e.mul_(s).mul_((row_weight[lo:hi] * (cap / temperature) / sum_e)[:, None])
+            q.scatter_add_(1, t_c, -(cap / temperature) * w_k * v_c * s_t)
+            g = torch.addcmul(q, q, s, value=-1.0, out=grad_buf[: hi - lo])
+            torch.mm(g, weight_c.T, out=grad_x[lo:hi])
+            if grad_w_part is None:
+                grad_w.addmm_(xc.T, g)
             else:
-                grad_w += (xc.T @ g_c).float()
+                grad_w.add_(torch.mm(xc.T, g, out=grad_w_part))
         if need_grad:
             ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
         return total
