@@ -104,3 +104,11 @@ def test_unknown_event_and_status_are_rejected(tmp_path):
 def test_environment_records_versions():
     env = run_log.environment()
     assert env["torch"] and env["python"] and env["devices"]
+
+
+def test_record_gate_reads_what_the_run_log_writes(tmp_path):
+    from tools import record_gate
+
+    d = write_run(tmp_path / "run")
+    for run in (record_gate.read_run_dir(d), record_gate.read_text_log(d / "log.txt")):
+        assert run.finished and run.total_steps == 4 and run.final_loss == 1.5 and run.final_time_ms == 40.0
