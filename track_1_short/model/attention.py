@@ -125,9 +125,12 @@ def flex_attention_varlen(
     )
     # [S, h, d] -> [1, h, S, d], FlexAttention's layout; q carries the softmax scale already.
     qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        y = _flex_function(q.device.type)(qh, kh, vh, block_mask=block_mask, scale=1.0)
+    if q.is_cuda:
+        y = _flex_function("cuda")(qh, kh, vh, block_mask=block_mask, scale=1.0)
+    else:
+        with warnings.catch_warnings():  # eager is the CPU's only mode; the advice to compile does not apply
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            y = _flex_function("cpu")(qh, kh, vh, block_mask=block_mask, scale=1.0)
     return y[0].transpose(0, 1)[:s]
 
 

