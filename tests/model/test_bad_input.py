@@ -52,6 +52,7 @@ def _bad_cases():
             (inputs, targets, torch.tensor([0, 60, 50, 128], dtype=torch.int32), WINDOWS),
             "never decrease",
         ),
+        "cu_seqlens on another device": ((inputs, targets, cu.to("meta"), WINDOWS), "on one device"),
         "one window": ((inputs, targets, cu, (3,)), "windows must be \\(short, long\\)"),
         "zero window": ((inputs, targets, cu, (0, 3)), "two ints >= 1"),
         "float window": ((inputs, targets, cu, (1.5, 3)), "two ints >= 1"),

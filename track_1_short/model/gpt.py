@@ -822,7 +822,11 @@ class GPT(nn.Module):
     def check_inputs(
         self, inputs: Tensor, targets: Tensor | None, cu_seqlens: Tensor, windows, mtp_weights
     ) -> None:
-        """Raise ModelConfigError naming the bad argument, before any compute."""
+        """Raise ModelConfigError naming the bad argument, before any compute.
+
+        Shapes, dtypes, windows and weights are checked on the host; the value checks (token ids, cu_seqlens)
+        read their numbers back in one device-to-host copy, the one sync this costs per forward.
+        """
         cfg = self.cfg
 
         def fail(msg: str) -> None:
@@ -842,35 +846,41 @@ class GPT(nn.Module):
                 f"inputs has {t} tokens, more than max_seq_len={cfg.max_seq_len}: split the batch or raise "
                 "model.max_seq_len."
             )
-        lo, hi = int(inputs.min()), int(inputs.max())
-        if lo < 0 or hi >= cfg.vocab_size:
-            fail(
-                f"inputs holds token ids in [{lo}, {hi}], outside the vocabulary [0, {cfg.vocab_size}): the "
-                "data was tokenised for another vocabulary; use matching data or model.vocab_size."
-            )
-        if targets is not None:
-            if (
-                not isinstance(targets, Tensor)
-                or targets.shape != inputs.shape
-                or targets.dtype != torch.int64
-            ):
-                fail(f"targets must be an int64 tensor shaped like inputs [{t}].")
-            lo, hi = int(targets.min()), int(targets.max())
-            if lo < 0 or hi >= cfg.vocab_size:
-                fail(
-                    f"targets holds token ids in [{lo}, {hi}], outside the vocabulary [0, {cfg.vocab_size})."
-                )
+        if targets is not None and (
+            not isinstance(targets, Tensor) or targets.shape != inputs.shape or targets.dtype != torch.int64
+        ):
+            fail(f"targets must be an int64 tensor shaped like inputs [{t}].")
         if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
             fail("cu_seqlens must be a 1-D int32 tensor [n_docs + 1] of document start offsets ending at T.")
-        cu = cu_seqlens.tolist()
-        if len(cu) < 2 or cu[0] != 0 or cu[-1] != t or any(b < a for a, b in zip(cu, cu[1:])):
-            fail(f"cu_seqlens must start at 0, never decrease and end at T={t}; got {cu[:4]}...{cu[-2:]}.")
+        tensors = [inputs, cu_seqlens] + ([targets] if targets is not None else [])
+        if any(x.device != inputs.device for x in tensors):
+            devices = [str(x.device) for x in tensors]
+            fail(f"inputs, targets and cu_seqlens must be on one device, got {devices}.")
         if not hasattr(windows, "__len__") or len(windows) != 2:
             fail(f"windows must be (short, long) in blocks of {cfg.block_size} tokens, got {windows!r}.")
         if any(not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in windows):
             fail(f"windows must be two ints >= 1 (blocks of {cfg.block_size} tokens), got {windows!r}.")
         if len(mtp_weights) == 0 or any(not math.isfinite(w) or w < 0 for w in mtp_weights):
             fail(f"mtp_weights must be a non-empty list of finite weights >= 0, got {mtp_weights!r}.")
+
+        ranges = [inputs.min(), inputs.max()]
+        if targets is not None:
+            ranges += [targets.min(), targets.max()]
+        values = torch.cat([torch.stack(ranges).long(), cu_seqlens.long()]).tolist()  # the one sync
+        ranges, cu = values[: len(ranges)], values[len(ranges) :]
+        if ranges[0] < 0 or ranges[1] >= cfg.vocab_size:
+            fail(
+                f"inputs holds token ids in [{ranges[0]}, {ranges[1]}], outside the vocabulary "
+                f"[0, {cfg.vocab_size}): the data was tokenised for another vocabulary; use matching data or "
+                "model.vocab_size."
+            )
+        if targets is not None and (ranges[2] < 0 or ranges[3] >= cfg.vocab_size):
+            fail(
+                f"targets holds token ids in [{ranges[2]}, {ranges[3]}], outside the vocabulary "
+                f"[0, {cfg.vocab_size})."
+            )
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != t or any(b < a for a, b in zip(cu, cu[1:])):
+            fail(f"cu_seqlens must start at 0, never decrease and end at T={t}; got {cu[:4]}...{cu[-2:]}.")
 
     # -- forward --
 
