@@ -133,9 +133,17 @@ def test_compiled_cuda_step_agrees_with_the_cpu_reference_to_a_few_ulps():
     g = torch.randn(8192, generator=gen)
     s_cpu = _state(8192, gen)
     s_gpu = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in s_cpu.items()}
+    s_before = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s_cpu.items()}
     p_gpu = p.cuda()
     adam.adam_update_(p, g, s_cpu, cfg)
     adam.adam_update_(p_gpu, g.cuda(), s_gpu, cfg)
     torch.testing.assert_close(p_gpu.cpu(), p, rtol=1e-6, atol=1e-9)
-    torch.testing.assert_close(s_gpu["exp_avg"].cpu(), s_cpu["exp_avg"], rtol=1e-6, atol=1e-12)
-    torch.testing.assert_close(s_gpu["exp_avg_sq"].cpu(), s_cpu["exp_avg_sq"], rtol=1e-6, atol=1e-15)
+    # The moments are sums of two products that can nearly cancel, so the bound is on the terms, not on the
+    # result: fma skips one rounding of one product, at most half an ulp of each term apart (2 eps to spare).
+    beta1, beta2 = cfg.adam_betas
+    m0, v0 = s_before["exp_avg"], s_before["exp_avg_sq"]
+    eps32 = torch.finfo(torch.float32).eps
+    m_terms = (beta1 * m0).abs() + ((1 - beta1) * g).abs()
+    v_terms = (beta2 * v0).abs() + ((1 - beta2) * g * g).abs()
+    assert ((s_gpu["exp_avg"].cpu() - s_cpu["exp_avg"]).abs() <= 2 * eps32 * m_terms).all()
+    assert ((s_gpu["exp_avg_sq"].cpu() - s_cpu["exp_avg_sq"]).abs() <= 2 * eps32 * v_terms).all()

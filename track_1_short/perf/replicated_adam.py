@@ -356,14 +356,16 @@ class ReplicatedAdam:
         if self._handles is not None:
             raise ReplicatedAdamError("launch_reduce() called twice without update() in between")
         active = [p.grad is not None for p in self.params]
-        dst, src = [], []
         for group in self.groups:
+            # One foreach copy per dtype: a list that mixes dtypes leaves the multi-tensor fast path and
+            # costs one copy launch per tensor.
+            dst, src = [], []
             for k, i in enumerate(group.indices):
                 if active[i]:
                     dst.append(group.grad_views[k])
                     src.append(self.params[i].grad)
-        if dst:
-            torch._foreach_copy_(dst, src)
+            if dst:
+                torch._foreach_copy_(dst, src)
         self._active = active
         self._handles = [distributed.all_reduce_avg(group.grad, async_op=True) for group in self.groups]
 
