@@ -1,0 +1,180 @@
+"""The training entry point end to end, shortened: one process, two gloo processes, resume, warmup, errors.
+
+Each run here is the embedded default (tiny model, synthetic corpus, AnvilAndAdam with the fused replicated
+path) cut to a few dozen steps over two stages, so a stage transition and both Adam and non-Adam steps occur.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from tests.distributed_harness import run_ranks
+from track_1_short import checkpoint, run_log, trainer
+from track_1_short.schedule import StageConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+STEPS = (5, 3)  # two stages, 8 steps: a stage transition, Adam and non-Adam steps
+BATCH = 512  # global tokens per step; one process runs 2 microbatches of 256, two processes one each
+MICRO = f"micro_batch_tokens={BATCH // 2}"
+
+
+def short_cfg(runs_root: str, *overrides: str):
+    """The default run cut to 8 steps of 512 tokens and a 1,024-token validation."""
+    extra = ["data.val_tokens=1024", "data.val_batch_tokens=512", "schedule.split_embed_step=6"]
+    with initialize_config_dir(str(CONFIGS), version_base=None):
+        cfg = compose("train", overrides=[f"runs_root={runs_root}", "progress_bar=false", *extra, *overrides])
+    first, last = (OmegaConf.to_container(cfg.schedule.stages[i]) for i in (0, -1))
+    # One next-token weight throughout, so the train loss means the same thing at every step.
+    common = {"batch_tokens": BATCH, "mtp_weights": [1.0], "mtp_weights_end": [], "extension": False}
+    cfg.schedule.stages = [
+        StageConfig(**{**first, **common, "steps": STEPS[0]}),
+        StageConfig(**{**last, **common, "steps": STEPS[1]}),
+    ]
+    cfg.schedule.rail_warmup_steps, cfg.schedule.rail_cooldown_steps = 4, 2
+    return cfg
+
+
+def params_of(result) -> dict[str, torch.Tensor]:
+    return checkpoint.model_state(result.trainer.model)
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for label in a:
+        x, y = a[label], b[label]
+        bits = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731 - compares NaN payloads and -0.0 too
+        assert x.dtype == y.dtype and torch.equal(bits(x), bits(y)), label
+
+
+def _worker(rank, world, runs_root, overrides):
+    r = trainer.run(short_cfg(runs_root, *overrides))
+    return {"losses": r.train_losses, "val": r.val_loss, "params": params_of(r), "run_dir": str(r.run_dir)}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs1")
+    # micro_batch_tokens = half the first stage's batch: 2 accumulation microbatches per step on one rank.
+    return trainer.run(short_cfg(str(root), MICRO, "checkpoint.every=2"))
+
+
+def test_one_process_run_finishes_and_loss_decreases(one_process):
+    losses = one_process.train_losses
+    assert len(losses) == sum(STEPS)
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.5  # nats/token; step 0 sits near ln(50304)
+    assert run_log.is_finished(one_process.run_dir)
+    facts = one_process.corpus
+    assert facts["entropy_floor"] < facts["unigram_entropy"] < math.log(50304)
+    assert one_process.val_loss < math.log(50304)
+
+
+def test_run_directory_follows_the_contract_and_parses_with_the_record_gate(one_process):
+    sys.path.insert(0, str(ROOT))
+    from tools import record_gate
+
+    d = one_process.run_dir
+    assert {"log.txt", "events.jsonl", "config.yaml", "env.json"} <= {p.name for p in d.iterdir()}
+    n = sum(STEPS)
+    for run in (record_gate.read_run_dir(d), record_gate.read_text_log(d / "log.txt")):
+        assert run.finished and run.total_steps == n
+        assert run.final_loss == pytest.approx(one_process.val_loss, abs=5e-5)  # the text line has 4 decimals
+    events = run_log.read_events(d)
+    assert [e["step"] for e in events if e["event"] == "train"] == list(range(1, n + 1))
+    assert OmegaConf.load(d / "config.yaml").schedule.stages[0].steps == STEPS[0]
+
+
+def test_resumed_run_reproduces_the_uninterrupted_run_bitwise(one_process, tmp_path):
+    ckpts = checkpoint.list_checkpoints(one_process.run_dir / "checkpoints")
+    assert [p.name for p in ckpts] == ["step_000004.pt", "step_000006.pt"]  # keep_last=2; none at the end
+    # From step 4: crosses the stage transition (5) and the embedding split (6) after resuming.
+    resumed = trainer.run(short_cfg(str(tmp_path), MICRO, f"resume={ckpts[0]}"))
+    assert resumed.train_losses == one_process.train_losses[4:]
+    assert_bitwise_equal(params_of(resumed), params_of(one_process))
+    assert resumed.val_loss == one_process.val_loss
+
+
+def test_two_gloo_processes_match_one_process_with_the_same_global_batch(one_process, tmp_path):
+    results = run_ranks(_worker, 2, str(tmp_path), ())
+    r0, r1 = results  # two ranks of 256 tokens: the same documents as one rank's two microbatches
+    assert r0["run_dir"] == r1["run_dir"]  # rank 0 chose it and broadcast it
+    assert_bitwise_equal(r0["params"], r1["params"])  # replicas stay identical
+    assert sorted(p.name for p in Path(r0["run_dir"]).iterdir()) == [
+        "config.yaml",
+        "env.json",
+        "events.jsonl",
+        "log.txt",
+    ]
+    assert r0["losses"][-1] < r0["losses"][0] - 0.5
+    # Same documents and the same averaged gradients, summed in another order (two ranks' means averaged vs
+    # one rank's two microbatches): fp32 rounding differences, amplified through bf16 weights over 8 steps.
+    diffs = [abs(a - b) for a, b in zip(r0["losses"], one_process.train_losses)]
+    assert diffs[0] < 1e-4
+    assert max(diffs) < 0.05
+    assert abs(r0["val"] - one_process.val_loss) < 0.02
+
+
+def test_warmup_then_in_place_restore_leaves_the_run_unchanged(one_process, tmp_path):
+    warmed = trainer.run(short_cfg(str(tmp_path), MICRO, "warmup=true"))
+    assert warmed.trainer.warmed_steps  # the representative steps did run (and trained) before the restore
+    assert warmed.train_losses == one_process.train_losses
+    assert_bitwise_equal(params_of(warmed), params_of(one_process))
+
+
+def test_non_finite_loss_stops_with_the_step_and_writes_no_checkpoint(tmp_path, monkeypatch):
+    real = trainer.Trainer.train_step
+
+    def poisoned(self, step):
+        loss = real(self, step)
+        return loss * float("nan") if step == 3 else loss
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", poisoned)
+    with pytest.raises(trainer.NonFiniteLossError, match="step 3") as info:
+        trainer.run(short_cfg(str(tmp_path), "checkpoint.every=2", "run_name=poisoned"))
+    assert info.value.step == 3
+    d = tmp_path / "poisoned"
+    # The checkpoint after 2 steps; the one after 4 never comes, so nothing written holds the NaN.
+    assert [p.name for p in checkpoint.list_checkpoints(d / "checkpoints")] == ["step_000002.pt"]
+    end = run_log.read_events(d)[-1]
+    assert end["event"] == "end" and end["status"] == "failed"
+    assert not run_log.is_finished(d)
+
+
+def _cli(*args: str, full_error: bool = False) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    if full_error:
+        env["HYDRA_FULL_ERROR"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "track_1_short.train", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_unknown_key_prints_hydras_message_without_a_traceback():
+    out = _cli("sedd=3")
+    assert out.returncode != 0
+    assert "sedd" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_missing_data_directory_prints_the_download_command_without_a_traceback(tmp_path):
+    out = _cli("experiment=record", f"data.dir={tmp_path / 'nowhere'}", f"runs_root={tmp_path}")
+    assert out.returncode == 2, out.stderr
+    assert "tools/fineweb.py" in out.stderr and "Traceback" not in out.stderr
+    assert len([line for line in out.stderr.splitlines() if line.strip()]) <= 3  # one paragraph
+    full = _cli(
+        "experiment=record", f"data.dir={tmp_path / 'nowhere'}", f"runs_root={tmp_path}", full_error=True
+    )
+    assert full.returncode != 0 and "Traceback" in full.stderr

@@ -1,0 +1,398 @@
+"""The training run in named phases: build, warmup, timed loop, validate.
+
+:func:`run` is what ``python -m track_1_short.train`` calls once Hydra has composed the config; tests call it
+directly (in one process, or in every rank of a gloo group). One step:
+
+    plan = schedule.plan(step)             stage geometry, lr multiplier, rail beta, Adam or not, split
+    accum x: loader.next_batch -> model -> (loss_sum / rank tokens).backward()
+    opt.step(do_adam)                      reductions across ranks average the per-rank means
+
+Every rank composes the same config and seeds the same generators, so replicas start equal (and are broadcast
+from rank 0 to be sure). Rank 0 alone chooses the run directory (broadcast to the others) and writes it.
+
+Time accounting follows the record harness: on CUDA the model is compiled and warmed up on the schedule's
+representative steps off the clock, the initial model, optimizer, loader and RNG state are restored in place,
+and only then does the clock start. It stops only around validation forwards (and checkpoint writes, which
+record runs do not make).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from track_1_short import checkpoint, distributed, schedule
+from track_1_short.checkpoint import CheckpointError, NonFiniteError
+from track_1_short.config import ConfigError, TrainConfig, accumulation_steps, check_run, to_object
+from track_1_short.run_log import RunLog, environment
+
+
+class NonFiniteLossError(NonFiniteError):
+    """The training loss became NaN or inf; the run stops at that step."""
+
+    def __init__(self, step: int, value: float) -> None:
+        self.step = step
+        super().__init__(
+            f"the training loss became {value} at step {step}; the run stops there. No checkpoint holds it: "
+            "resume from the last one with a lower lr or another seed."
+        )
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    val_loss: float
+    train_time_ms: float
+    steps: int
+    train_losses: list[float] = field(default_factory=list)  # one per read-back step, all-rank mean per token
+    corpus: dict[str, Any] = field(default_factory=dict)  # the synthetic corpus sidecar, if any
+    trainer: Trainer | None = None  # the built objects, for callers that inspect the final state (tests)
+
+
+def select_device(cfg: TrainConfig) -> str:
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is visible; use device=cpu (or auto).")
+    return cfg.device
+
+
+def choose_run_dir(cfg: TrainConfig) -> Path:
+    """Rank 0 picks ``<runs_root>/<name>``; every rank gets the same path."""
+    name = cfg.run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    chosen = str(Path(cfg.runs_root) / name) if distributed.is_main() else None
+    return Path(distributed.broadcast_object(chosen))
+
+
+def _data_paths(data_cfg) -> dict:
+    """Rank 0 finds (or builds) the data files first, so ranks never build the corpus concurrently; its
+    outcome, paths or the user error, is broadcast so every rank raises the same error instead of hanging."""
+    from track_1_short import data
+
+    outcome: tuple = ("ok", None)
+    if distributed.is_main():
+        try:
+            outcome = ("ok", data.run_paths(data_cfg))
+        except data.USER_ERRORS as e:
+            outcome = ("error", e)
+    outcome = distributed.broadcast_object(outcome)
+    if outcome[0] == "error":
+        raise outcome[1]
+    return outcome[1] if distributed.is_main() else data.run_paths(data_cfg)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Trainer:
+    """Owns the built objects of one run and its phases."""
+
+    def __init__(self, cfg: TrainConfig, resolved: dict, device: torch.device) -> None:
+        from track_1_short import data
+        from track_1_short.model.gpt import GPT
+        from track_1_short.optim.anvil import AnvilAndAdam
+
+        self.cfg = cfg
+        self.device = device
+        self.rank, self.world = distributed.rank(), distributed.world_size()
+        check_run(cfg, self.world)
+        self.total_steps = schedule.total_steps(cfg.schedule)
+
+        # Data first: a missing corpus is the most likely user error; report it before any heavy work.
+        # For the synthetic corpus this builds it on first use (once; later runs reuse it).
+        self.paths = _data_paths(cfg.data)
+
+        torch.manual_seed(cfg.seed)
+        self.model = GPT(cfg.model, device=device)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                distributed.broadcast_(p.data, src=0)
+        self.opt = AnvilAndAdam(
+            list(self.model.named_parameters()),
+            self.model.param_table(),
+            self.model.scatter_order(),
+            self.model.work_order(),
+            cfg.optim,
+        )
+        self.forward = self.model
+        if device.type == "cuda" and cfg.compile:
+            self.forward = torch.compile(self.model, dynamic=False)
+        self.loader = data.TrainLoader(
+            self.paths["train"],
+            self.rank,
+            self.world,
+            device,
+            bos_id=cfg.data.bos_id,
+            vocab_size=cfg.data.vocab_size,
+        )
+        self.step = 0
+        self.train_time_ms = 0.0
+        self.tokens_seen = 0
+        self.run_dir = choose_run_dir(cfg)
+        self.log = RunLog(self.run_dir, enabled=distributed.is_main())
+        self.log.write_config(OmegaConf.to_yaml(resolved))
+        self.log.write_env({**environment(), "world_size": self.world, "device": str(device)})
+        self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.resolved = resolved
+
+    # -- state snapshots (warmup restore, checkpoints) --
+    def _payload(self) -> dict:
+        return {
+            "step": self.step,
+            "model": checkpoint.model_state(self.model),
+            # Buffers that training changes (rotary state after window changes, the embedding-split flag).
+            "buffers": {k: v.detach().to("cpu", copy=True) for k, v in self.model.named_buffers()},
+            "optimizer": self.opt.state_dict(),
+            "loader": self.loader.state_dict(),
+            "rng": checkpoint.capture_rng(),
+            "meta": {
+                "model": OmegaConf.to_container(OmegaConf.structured(self.cfg.model)),
+                "total_steps": self.total_steps,
+                "world_size": self.world,
+                "train_time_ms": self.train_time_ms,
+                "tokens_seen": self.tokens_seen,
+            },
+        }
+
+    def _restore_(self, payload: dict) -> None:
+        """Load a snapshot in place: parameters, optimizer moments and flat buffers keep their storage."""
+        checkpoint.load_model_state_(self.model, payload["model"])
+        # load_state_dict copies in place and runs the model's hooks that refresh its host-side mirrors.
+        self.model.load_state_dict(payload["buffers"], strict=False)
+        self.opt.load_state_dict(payload["optimizer"])
+        self.loader.load_state_dict(payload["loader"])
+        checkpoint.restore_rng(payload["rng"])
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.zero_()  # in place: grads may be views of a flat buffer
+        self.opt.assert_views_intact()
+        self.step = int(payload["step"])
+
+    def resume(self, path: str) -> None:
+        payload = checkpoint.load(path)
+        saved = payload["meta"]["model"]
+        current = OmegaConf.to_container(OmegaConf.structured(self.cfg.model))
+        if saved != current:
+            diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+            raise CheckpointError(
+                f"resume={path}: the checkpoint was written for another model config (fields {diff} differ). "
+                "Resume with the model config it was written with."
+            )
+        if payload["meta"]["total_steps"] != self.total_steps:
+            raise CheckpointError(
+                f"resume={path}: the checkpoint's schedule has {payload['meta']['total_steps']} steps, this "
+                f"one {self.total_steps}; resume with the schedule it was written with."
+            )
+        self._restore_(payload)
+        self.train_time_ms = float(payload["meta"]["train_time_ms"])
+        self.tokens_seen = int(payload["meta"]["tokens_seen"])
+
+    # -- one step --
+    def train_step(self, step: int) -> torch.Tensor:
+        """Run step ``step``; returns this rank's loss per token (a 0-d tensor, not synced)."""
+        plan = schedule.plan(self.cfg.schedule, step, self.cfg.optim.adam_every)
+        if plan.split_embed:
+            self.model.split_embed()
+            self.opt.split_embed()
+        self.opt.set_schedule(plan.lr_multiplier, plan.rail_beta, step)
+        accum = accumulation_steps(plan.batch_tokens, self.world, self.cfg.micro_batch_tokens)
+        micro = plan.batch_tokens // self.world // accum
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        for _ in range(accum):
+            b = self.loader.next_batch(micro, plan.max_doc_len)
+            loss = self.forward(b.inputs, b.targets, b.cu_seqlens, plan.windows, list(plan.mtp_weights))
+            # Per-token mean over this rank's step; the optimizer's reductions average the ranks.
+            (loss / (micro * accum)).backward()
+            loss_sum += loss.detach().float()
+        self.opt.step(plan.do_adam)
+        self.tokens_seen += plan.batch_tokens
+        return loss_sum / (micro * accum)
+
+    # -- phases --
+    def warmup(self) -> list[int]:
+        """Run the representative steps off the clock, then restore the initial state in place."""
+        warm = self.cfg.warmup if self.cfg.warmup is not None else self.device.type == "cuda"
+        self.warmed_steps: list[int] = []
+        if not warm:
+            return []
+        initial = copy.deepcopy(self._payload())
+        tokens_seen = self.tokens_seen
+        # The split steps are included: restoring the model's buffers re-ties it (embed_is_split), and the
+        # optimizer's state_dict carries its own tied flag.
+        steps = schedule.warmup_steps(self.cfg.schedule, self.cfg.optim.adam_every)
+        for s in steps:
+            self.train_step(s)
+        _sync(self.device)
+        self._restore_(initial)
+        self.tokens_seen = tokens_seen
+        self.warmed_steps = steps
+        return steps
+
+    def validate(self) -> float:
+        """Mean next-token CE over the validation tokens, summed over ranks (no MTP, val windows)."""
+        from track_1_short import data
+
+        windows = schedule.val_windows(self.cfg.schedule)
+        tokens_per_rank = self.cfg.data.val_batch_tokens // self.world
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            d = self.cfg.data
+            batches = data.ValLoader(
+                self.paths["val"],
+                d.val_tokens,
+                tokens_per_rank,
+                self.rank,
+                self.world,
+                self.device,
+                bos_id=d.bos_id,
+                vocab_size=d.vocab_size,
+            )
+            for b in batches:
+                totals[0] += self.forward(b.inputs, b.targets, b.cu_seqlens, windows, None).double()
+                totals[1] += b.targets.numel()
+        distributed.all_reduce_sum(totals)
+        return float(totals[0] / totals[1])
+
+    def _check_losses(self, pending: list[tuple[int, torch.Tensor]]) -> list[tuple[int, float]]:
+        """Read back the losses of ``pending`` steps (one collective), stop at the first non-finite one."""
+        if not pending:
+            return []
+        values = torch.stack([v for _, v in pending]).float()
+        distributed.all_reduce_avg(values)
+        out = []
+        for (step, _), v in zip(pending, values.tolist()):
+            if not math.isfinite(v):
+                raise NonFiniteLossError(step, v)
+            out.append((step, v))
+        return out
+
+    def train(self) -> RunResult:
+        cfg, n = self.cfg, self.total_steps
+        check_every = cfg.check_every or (1 if self.device.type == "cpu" else cfg.log_every)
+        self.log.start(n, cfg.seed, self.resolved, world_size=self.world, start_step=self.step)
+        self.log.text(f"run {self.run_dir} world_size {self.world} device {self.device} steps {n}")
+        bar = tqdm(
+            total=n,
+            initial=self.step,
+            disable=not (cfg.progress_bar and distributed.is_main()),
+            unit="step",
+            dynamic_ncols=True,
+        )
+        losses: list[float] = []
+        val_loss = float("nan")
+        pending: list[tuple[int, torch.Tensor]] = []
+        t_start = time.perf_counter()
+        last_tokens = self.tokens_seen
+        try:
+            _sync(self.device)
+            t0 = time.perf_counter()
+            while self.step < n:
+                pending.append((self.step, self.train_step(self.step)))
+                self.step += 1
+                done, last = self.step, self.step == n
+                want_val = last or (cfg.val_every > 0 and done % cfg.val_every == 0)
+                want_ckpt = cfg.checkpoint.every > 0 and done % cfg.checkpoint.every == 0 and not last
+                if done % check_every == 0 or want_val or want_ckpt or done % cfg.log_every == 0:
+                    checked = self._check_losses(pending)  # a device sync: the time below is real
+                    now = time.perf_counter()
+                    pending = []
+                    elapsed = self.train_time_ms + 1e3 * (now - t0)
+                    losses.extend(v for _, v in checked)
+                    step_loss = checked[-1][1]
+                    self.log.train(
+                        done,
+                        n,
+                        loss=step_loss,
+                        lr_multiplier=schedule.lr_multiplier(cfg.schedule, done - 1),
+                        tokens_seen=self.tokens_seen,
+                        train_time_ms=elapsed,
+                        step_avg_ms=elapsed / done,
+                        progress_line=done % cfg.log_every == 0 or done >= n - 1,
+                        **self._memory(),
+                    )
+                    wall = now - t_start
+                    bar.set_postfix(
+                        loss=f"{step_loss:.4f}",
+                        tok_s=f"{(self.tokens_seen - last_tokens) / max(wall, 1e-9):,.0f}",
+                    )
+                    bar.update(done - bar.n)
+                if want_val or want_ckpt:
+                    _sync(self.device)
+                    self.train_time_ms += 1e3 * (time.perf_counter() - t0)
+                    if want_ckpt:
+                        self.save_checkpoint()
+                    if want_val:
+                        val_loss = self.validate()
+                        self.log.val(done, n, val_loss, self.train_time_ms, self.train_time_ms / done)
+                        self.log.flush()
+                    t0 = time.perf_counter()
+        except BaseException as e:
+            self.log.end(
+                self.step,
+                n,
+                "failed",
+                val_loss=None,
+                train_time_ms=self.train_time_ms,
+                error=f"{type(e).__name__}: {e}",
+            )
+            self.log.close()
+            bar.close()
+            self.loader.close()
+            raise
+        bar.close()
+        self.loader.close()
+        self.log.end(n, n, "finished", val_loss=val_loss, train_time_ms=self.train_time_ms, **self._memory())
+        self.log.close()
+        return RunResult(self.run_dir, val_loss, self.train_time_ms, n, losses)
+
+    def save_checkpoint(self) -> Path | None:
+        payload = self._payload()  # on every rank: the optimizer's state_dict may gather shards
+        checkpoint.assert_finite(payload["model"], "model")
+        checkpoint.assert_finite(payload["optimizer"], "optimizer state")
+        path = None
+        if distributed.is_main():
+            path = checkpoint.save(self.ckpt_dir, payload, keep_last=self.cfg.checkpoint.keep_last)
+            self.log.text(f"checkpoint {path}")
+        distributed.barrier()
+        return path
+
+    def _memory(self) -> dict:
+        if self.device.type != "cuda":
+            return {}
+        return {"peak_memory_mib": torch.cuda.max_memory_allocated(self.device) // (1 << 20)}
+
+
+def corpus_facts(paths: dict) -> dict:
+    """The synthetic corpus's sidecar (entropy floor, unigram entropy), or {} for other data."""
+    sidecar = paths.get("sidecar")
+    if not sidecar or not Path(sidecar).is_file():
+        return {}
+    return json.loads(Path(sidecar).read_text())
+
+
+def run(cfg: DictConfig | TrainConfig) -> RunResult:
+    """Build, warm up, train, validate. Works in one process, under torchrun, or in a test's gloo ranks."""
+    resolved = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
+    resolved_dict = OmegaConf.to_container(resolved, resolve=True)
+    tcfg = to_object(cfg)
+    device = distributed.init(select_device(tcfg))
+    trainer = Trainer(tcfg, resolved_dict, device)
+    if tcfg.resume:
+        trainer.resume(tcfg.resume)
+    trainer.warmup()
+    result = trainer.train()
+    result.corpus = corpus_facts(trainer.paths)
+    result.trainer = trainer
+    return result
