@@ -233,9 +233,11 @@ def test_rotary_state_follows_window_changes_in_training_only(model):
     assert torch.equal(model.rope_freq[0], short) and torch.equal(model.rope_freq[1], long_)
     torch.testing.assert_close(model.rope_attn_scale, torch.tensor([0.18 * g_short, 0.13 * g_long]))
     state = copy.deepcopy(model.state_dict())
+    with torch.no_grad():
+        model(inputs, targets, cu, (3, 20))  # a validation in training mode, without gradients: no rescale
     model.eval()
-    model(inputs, targets, cu, (3, 20))  # evaluation with a longer window: no rescale
-    assert torch.equal(model.rope_freq[1], long_)
+    model(inputs, targets, cu, (3, 20))  # evaluation mode with a longer window: no rescale
+    assert torch.equal(model.rope_freq[1], long_) and model.rope_windows.tolist() == [384, 896]
     fresh = copy.deepcopy(model)
     fresh.reset_rotary()
     assert torch.equal(fresh.rope_freq, base.repeat(2, 1)) and fresh.rope_windows.tolist() == [-1, -1]

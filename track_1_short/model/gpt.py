@@ -726,8 +726,9 @@ class GPT(nn.Module):
         """Fit the rotary state to (short, long) windows in blocks: a window that changed since the last call
         rescales its frequencies and softmax scale (YaRN, upstream's Yarn.apply); the first call only records.
 
-        Training forwards call it; evaluation forwards do not (upstream extends the final validation's long
-        window without a rotary update).
+        Training forwards call it (training mode, gradients enabled); evaluation forwards, in eval mode or
+        under no_grad, do not: upstream extends the final validation's long window without a rotary update,
+        and a validation between training steps must not move the training's rotary state.
         """
         for kind, blocks in enumerate(windows):
             new = int(blocks) * self.cfg.block_size
@@ -900,7 +901,7 @@ class GPT(nn.Module):
         mtp = [1.0] if mtp_weights is None else [float(w) for w in mtp_weights]
         if self.cfg.check_inputs:
             self.check_inputs(inputs, targets, cu_seqlens, windows, mtp)
-        if self.training:
+        if self.training and torch.is_grad_enabled():  # a training step, not an evaluation
             self.follow_windows(windows)
         hidden = self.hidden(inputs, cu_seqlens, windows)
         cfg = self.cfg
