@@ -60,50 +60,18 @@ COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 # Communication and work schedules over the full label set (upstream training.py @55865738). Labels a config
 # does not create are dropped; the relative order of the rest is kept.
-SCATTER_ORDER = [
-    "qk_bank",
-    "vo_bank",
-    "mlp_bank",
-    "value_embeds",
-    "lm_head",
-    "embed",
-    "scalars",
-    "smear_gate",
-    "ve_gate_bank",
-    "post_lambdas",
-    "resid_lambdas",
-    "mudd_w1",
-    "mudd_w2",
-    "mudd_w2g",
-    "mudd_b2",
-    "mudd_gate_w1",
-    "mudd_gate_w2",
-    "mudd_gate_b2",
-    "_mudd_gate_scale",
-]
+SCATTER_ORDER = (
+    "qk_bank vo_bank mlp_bank value_embeds lm_head embed scalars smear_gate ve_gate_bank post_lambdas "
+    "resid_lambdas mudd_w1 mudd_w2 mudd_w2g mudd_b2 mudd_gate_w1 mudd_gate_w2 mudd_gate_b2 "
+    "_mudd_gate_scale"
+).split()
 # qk/vo first (their gathers are waited first next step), lm_head before embed (tied copy), the replicated
 # labels together (one fused update), mlp_bank (the largest gather) last.
-WORK_ORDER = [
-    "qk_bank",
-    "vo_bank",
-    "lm_head",
-    "embed",
-    "value_embeds",
-    "scalars",
-    "smear_gate",
-    "ve_gate_bank",
-    "mudd_b2",
-    "mudd_gate_b2",
-    "_mudd_gate_scale",
-    "post_lambdas",
-    "resid_lambdas",
-    "mudd_w2",
-    "mudd_w2g",
-    "mudd_gate_w2",
-    "mudd_w1",
-    "mudd_gate_w1",
-    "mlp_bank",
-]
+WORK_ORDER = (
+    "qk_bank vo_bank lm_head embed value_embeds scalars smear_gate ve_gate_bank mudd_b2 mudd_gate_b2 "
+    "_mudd_gate_scale post_lambdas resid_lambdas mudd_w2 mudd_w2g mudd_gate_w2 mudd_w1 mudd_gate_w1 "
+    "mlp_bank"
+).split()
 
 
 class ModelConfigError(ValueError):
@@ -134,19 +102,29 @@ class ParamTableConfig:
     """The param table's per-label optimizer multipliers; defaults are upstream's (training.py @55865738)."""
 
     lm_head: AdamHyper = _adam(0.5, 0.95, 1.0, 150.0)
+    """Output head (sharded Adam): low beta1, strong decay."""
     embed: AdamHyper = _adam(0.5, 0.95, 1.0, 150.0)
+    """Token embedding (sharded Adam; optimised only after the split, tied to lm_head before)."""
     value_embeds: AdamHyper = _adam(0.75, 0.95, 70.0, 5.0)
-    """Upstream squares the betas and doubles wd_mul from step 336 (a schedule concern, not the model's)."""
+    """Value-embedding planes (sharded Adam). Upstream squares the betas and doubles wd_mul from step 336, on
+    its sparse update cadence (a schedule concern, not the model's)."""
     scalars: AdamHyper = _adam(0.9, 0.99, 5.0, 0.0)
+    """sa_lambdas, smear_lambda, skip_lambda (replicated, fp32)."""
     smear_gate: AdamHyper = _adam(0.9, 0.99, 0.01, 0.0)
+    """Smear gate weights (replicated, bf16)."""
     ve_gate_bank: AdamHyper = _adam(0.9, 0.99, 1.0, 1.0)
+    """Value-embedding gates (replicated, bf16)."""
     post_lambdas: AdamHyper = _adam(0.9, 0.95, 1.0, 0.0)
+    """Sublayer output gains (replicated, fp32)."""
     resid_lambdas: AdamHyper = _adam(0.9, 0.95, 5.0, 0.0)
+    """Residual scales (replicated, fp32)."""
     mudd_w1: AdamHyper = _adam(0.9, 0.99, 0.25, 1.0)
+    """MUDD hidden projections (replicated, bf16); the other MUDD entries likewise."""
     mudd_w2: AdamHyper = _adam(0.9, 0.99, 0.25, 1.0)
     mudd_w2g: AdamHyper = _adam(0.9, 0.99, 0.25, 1.0)
     mudd_b2: AdamHyper = _adam(0.9, 0.99, 0.25, 0.0)
     mudd_gate_w1: AdamHyper = _adam(0.9, 0.99, 0.1, 1.0)
+    """MUDD gate hidden projections (replicated, bf16); the other gate entries likewise."""
     mudd_gate_w2: AdamHyper = _adam(0.9, 0.99, 0.1, 1.0)
     mudd_gate_b2: AdamHyper = _adam(0.9, 0.99, 0.1, 0.0)
     mudd_gate_scale: AdamHyper = _adam(0.9, 0.99, 0.1, 0.0)
@@ -168,8 +146,11 @@ class ModelConfig:
     vocab_multiple: int = 128
     """Embedding / lm_head rows are padded to a multiple of this (50257 -> 50304 as upstream; GEMM speed)."""
     num_layers: int = 11
+    """Layers (attention and/or MLP sublayers each), record #360's 11 slots."""
     model_dim: int = 768
+    """Residual stream width."""
     num_heads: int = 6
+    """Attention heads per layer."""
     head_dim: int = 128
     """Full head width; num_heads * head_dim must equal model_dim (the value banks are square)."""
     narrow_head_dim: int = 64
@@ -259,9 +240,11 @@ class ModelConfig:
 
     # -- head and loss --
     logit_cap: float = 23.0
+    """Softcap logit_cap * sigmoid((z + logit_shift) / logit_temperature): logits lie in (0, logit_cap)."""
     logit_shift: float = 5.0
+    """See logit_cap (upstream 5)."""
     logit_temperature: float = 7.5
-    """Softcap logit_cap * sigmoid((z + logit_shift) / logit_temperature) (upstream 23, 5, 7.5)."""
+    """See logit_cap (upstream 7.5)."""
     lm_head_init_std: float = 0.005
     """lm_head ~ N(0, std^2); embed starts as its transpose."""
     loss_chunk_rows: int = 4096
