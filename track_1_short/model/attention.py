@@ -134,11 +134,20 @@ def flex_attention_varlen(
     return y[0].transpose(0, 1)[:s]
 
 
+# Inside a compiled model, Inductor (torch 2.11) fails to lower flex_attention when its inputs are views of
+# buffers it computed in the same graph ("convert FlexibleLayout to FixedLayout first", seen on an H200), so the
+# compiled model stops tracing here and calls the separately compiled FlexAttention, whose inputs are then
+# materialised tensors. recursive=False keeps that inner compiled call compiled.
+_flex_attention_graph_break = torch.compiler.disable(flex_attention_varlen, recursive=False)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, window: int, block: int, impl: str) -> Tensor:
     """Dispatch on ``impl`` ("auto": flex on CUDA, reference elsewhere)."""
     if impl == "auto":
         impl = "flex" if q.is_cuda else "reference"
     if impl == "flex":
+        if q.is_cuda and torch.compiler.is_compiling():
+            return _flex_attention_graph_break(q, k, v, doc_ids, window, block)
         return flex_attention_varlen(q, k, v, doc_ids, window, block)
     return reference_attention(q, k, v, doc_ids, window, block)
 

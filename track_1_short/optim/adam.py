@@ -103,7 +103,11 @@ def _compiled_adam_step() -> Any:
         # ``cache_size_limit`` is the pre-2.6 name of the same setting.
         name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
         setattr(dynamo_config, name, max(getattr(dynamo_config, name), _RECOMPILE_LIMIT))
-        _compiled_step = torch.compile(_adam_step_math, dynamic=False, fullgraph=True)
+        # emulate_precision_casts turns off fp fusion in the generated Triton kernel: each multiply and add is
+        # rounded on its own, as in eager and in the fused kernel (perf/kernels/replicated_adam.py says why).
+        _compiled_step = torch.compile(
+            _adam_step_math, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True}
+        )
     return _compiled_step
 
 

@@ -9,11 +9,12 @@ device from uploaded per-parameter inputs (the no-host-work mode of perf/replica
 Numerics: the claim is bitwise equality with the reference step (compiled on CUDA, eager on the CPU).
 - fp32 throughout, one kernel statement per reference statement, operands in the reference's order; bf16
   parameters and gradients are widened exactly (bits << 16) right after the load.
-- Contractions: on CUDA the kernel places the fma's where the compiled reference has them (read off the PTX
-  Inductor generates for optim/adam.py on an H200: fma(beta1, m, (1 - beta1) * g), fma(beta2, v,
-  (1 - beta2) * (g * g)) and fma(eff_wd, p, u)); the moment updates need an explicit tl.fma because with
-  betas loaded from the table, rather than constants, LLVM would contract the other product. On the CPU the
-  interpreter (numpy) and eager torch fuse nothing, so there the kernel writes plain multiplies and adds.
+- No contractions: every multiply and add is rounded on its own, on every backend. On CUDA the kernel is
+  launched with enable_fp_fusion=False and the compiled reference is built with Inductor's
+  emulate_precision_casts (which turns fp fusion off in its Triton kernels). Leaving fusion on does not
+  work: LLVM's choice of which product of ``a*b + c*d`` goes into the fma depends on the constants (seen on an
+  H200: the compiled reference fused (1 - beta2) * g^2 for beta2 = 0.95 and beta2 * v for beta2 = 0.99),
+  while our betas are loaded from the table. The interpreter (numpy) and eager CPU torch fuse nothing.
 - sqrt is tl.sqrt_rn (IEEE), as Inductor emits for torch.sqrt. Division mirrors Inductor: its fp32 ``/`` is
   Triton's ``/`` (div.full.f32, approximate) unless Inductor's division-rounding switch is on, then div_rn;
   the kernel reads the same switch (DIV_RN). The interpreter divides in IEEE either way, as eager CPU torch
@@ -88,7 +89,6 @@ def _adam_block(
     PARAM_BF16: tl.constexpr,
     ZERO_GRAD: tl.constexpr,
     DIV_RN: tl.constexpr,
-    FMA: tl.constexpr,
 ):
     seg = tl.load(segment_ptr + offs, mask=in_bounds, other=0)
     row = table_ptr + seg * 8  # ROW_STRIDE
@@ -111,16 +111,9 @@ def _adam_block(
     m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
 
-    if FMA:
-        # Compiled on CUDA, the reference's two moment updates contract as fma(beta * moment, ...) with the
-        # other product rounded first (read off Inductor's PTX for optim/adam.py). Left to itself, LLVM picks
-        # the other product here, because our betas are loaded rather than constants: hence the explicit fma.
-        m = tl.fma(beta1, m, one_minus_beta1 * g)  # beta1 * exp_avg + (1 - beta1) * g
-        v = tl.fma(beta2, v, one_minus_beta2 * (g * g))  # beta2 * exp_avg_sq + (1 - beta2) * (g * g)
-    else:
-        # Eager CPU torch (and the interpreter) round every multiply and add.
-        m = beta1 * m + one_minus_beta1 * g
-        v = beta2 * v + one_minus_beta2 * (g * g)
+    # Every multiply and add rounded on its own (launched with enable_fp_fusion=False, see the docstring).
+    m = beta1 * m + one_minus_beta1 * g  # beta1 * exp_avg + (1 - beta1) * g
+    v = beta2 * v + one_minus_beta2 * (g * g)  # beta2 * exp_avg_sq + (1 - beta2) * (g * g)
     denom = tl.sqrt_rn(v) + eps  # v.sqrt() + eps
     if DIV_RN:
         ratio = tl.math.div_rn(m, denom)  # m / (...), Inductor with division rounding on
@@ -153,7 +146,6 @@ def _fused_adam_kernel(
     PARAM_BF16: tl.constexpr,
     ZERO_GRAD: tl.constexpr,
     DIV_RN: tl.constexpr,
-    FMA: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -169,7 +161,6 @@ def _fused_adam_kernel(
         PARAM_BF16,
         ZERO_GRAD,
         DIV_RN,
-        FMA,
     )
 
 
@@ -193,7 +184,6 @@ def _fused_adam_two_groups_kernel(
     PARAM1_BF16: tl.constexpr,
     ZERO_GRAD: tl.constexpr,
     DIV_RN: tl.constexpr,
-    FMA: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # Programs [0, blocks0) take group 0, the rest group 1: a block never straddles two buffers.
@@ -212,7 +202,6 @@ def _fused_adam_two_groups_kernel(
             PARAM0_BF16,
             ZERO_GRAD,
             DIV_RN,
-            FMA,
         )
     else:
         offs = (pid - blocks0) * BLOCK + tl.arange(0, BLOCK)
@@ -228,7 +217,6 @@ def _fused_adam_two_groups_kernel(
             PARAM1_BF16,
             ZERO_GRAD,
             DIV_RN,
-            FMA,
         )
 
 
@@ -344,7 +332,7 @@ def launch_fused_adam(
         PARAM_BF16=param.dtype == torch.bfloat16,
         ZERO_GRAD=zero_grad,
         DIV_RN=_div_rn(param.device),
-        FMA=param.is_cuda,
+        enable_fp_fusion=False,
         BLOCK=block,
         num_warps=_NUM_WARPS,
     )
@@ -398,7 +386,7 @@ def launch_fused_adam_groups(groups: Sequence[tuple], scalars, block: int, zero_
         PARAM1_BF16=second[0].dtype == torch.bfloat16,
         ZERO_GRAD=zero_grad,
         DIV_RN=_div_rn(first[0].device),
-        FMA=first[0].is_cuda,
+        enable_fp_fusion=False,
         BLOCK=block,
         num_warps=_NUM_WARPS,
     )
@@ -439,5 +427,11 @@ def device_scalar_table_(
     """
     n = table.shape[0]
     _device_scalar_table_kernel[(1,)](
-        table, inputs, corrections, correction_index, n, BLOCK_N=max(16, triton.next_power_of_2(n))
+        table,
+        inputs,
+        corrections,
+        correction_index,
+        n,
+        BLOCK_N=max(16, triton.next_power_of_2(n)),
+        enable_fp_fusion=False,  # fp64 products rounded one by one, as the host computes them in Python
     )
