@@ -135,9 +135,9 @@ def flex_attention_varlen(
 
 
 # Inside a compiled model, Inductor (torch 2.11) fails to lower flex_attention when its inputs are views of
-# buffers it computed in the same graph ("convert FlexibleLayout to FixedLayout first", seen on an H200), so the
-# compiled model stops tracing here and calls the separately compiled FlexAttention, whose inputs are then
-# materialised tensors. recursive=False keeps that inner compiled call compiled.
+# buffers it computed in the same graph ("convert FlexibleLayout to FixedLayout first", seen on an H200), so
+# the compiled model stops tracing here and calls the separately compiled FlexAttention, whose inputs are
+# then materialised tensors. recursive=False keeps that inner compiled call compiled.
 _flex_attention_graph_break = torch.compiler.disable(flex_attention_varlen, recursive=False)
 
 
