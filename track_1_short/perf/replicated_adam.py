@@ -340,6 +340,8 @@ class ReplicatedAdam:
         self.groups = flatten_replicated(params, param_states, device)
         self.table = torch.zeros((len(params), len(SCALAR_COLUMNS)), dtype=torch.float32, device=device)
         self._ring = UploadRing(self.table) if impl == "fused" else None
+        # The kernel's view of each group's param and grad buffers (bf16 as int16 bits), made once.
+        self._bits = [(kernels._bits(g.param), kernels._bits(g.grad)) for g in self.groups]
         self._handles: list[distributed.Handle] | None = None
         self._active: list[bool] | None = None
         self._addresses = self._current_addresses()
@@ -384,11 +386,11 @@ class ReplicatedAdam:
             self.params, self.param_cfgs, self.param_states, active, out=self._ring.host_buffer()
         )
         self._ring.upload()
-        for group in self.groups:
+        for group, (param_bits, grad_bits) in zip(self.groups, self._bits):
             if any(active[i] for i in group.indices):
                 kernels.launch_fused_adam(
-                    group.param,
-                    group.grad,
+                    param_bits,
+                    grad_bits,
                     group.exp_avg,
                     group.exp_avg_sq,
                     group.segment,
