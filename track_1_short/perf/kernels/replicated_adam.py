@@ -273,8 +273,8 @@ def inductor_divides_rn() -> bool:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    # bf16 buffers go to the kernel as their raw 16-bit patterns (see the module docstring). Callers on the hot
-    # path may pass those int16 views themselves (made once): a view costs microseconds of host time per call.
+    # bf16 buffers go to the kernel as their raw 16-bit patterns (see the module docstring). Callers on the
+    # hot path may pass those int16 views themselves (made once): a view costs microseconds of host time.
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
