@@ -60,9 +60,14 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {label: p.detach().to("cpu", copy=True) for label, p in _labelled(model).items()}
 
 
-def load_model_state_(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy ``state`` into the model's parameters in place; checks every label and shape first."""
+def check_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Raise CheckpointError naming the first label or shape of ``state`` that does not fit ``model``;
+    changes nothing (so a resume can check every part of a checkpoint before loading any)."""
     params = _labelled(model)
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"checkpoint 'model' entry is a {type(state).__name__}, not a label-keyed dict."
+        )
     missing = sorted(set(params) - set(state))
     unknown = sorted(set(state) - set(params))
     if missing or unknown:
@@ -71,11 +76,33 @@ def load_model_state_(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
             "The checkpoint comes from another model config; resume with the config it was written with."
         )
     for label, p in params.items():
-        if tuple(state[label].shape) != tuple(p.shape):
+        if not isinstance(state[label], torch.Tensor) or tuple(state[label].shape) != tuple(p.shape):
+            got = tuple(state[label].shape) if isinstance(state[label], torch.Tensor) else state[label]
             raise CheckpointError(
-                f"checkpoint tensor {label!r} has shape {tuple(state[label].shape)}, the model expects "
+                f"checkpoint tensor {label!r} has shape {got}, the model expects "
                 f"{tuple(p.shape)}: the checkpoint comes from another model config."
             )
+
+
+def check_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """Raise CheckpointError unless each saved buffer is one of the model's, shaped alike; changes nothing."""
+    own = dict(model.named_buffers())
+    if not isinstance(buffers, dict):
+        raise CheckpointError(f"checkpoint 'buffers' entry is a {type(buffers).__name__}, not a dict.")
+    for name, t in buffers.items():
+        if name not in own or not isinstance(t, torch.Tensor) or t.shape != own[name].shape:
+            expected = tuple(own[name].shape) if name in own else "no such buffer"
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise CheckpointError(
+                f"checkpoint buffer {name!r} is {got}, the model has {expected}: the checkpoint comes from "
+                "another model config."
+            )
+
+
+def load_model_state_(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy ``state`` into the model's parameters in place; checks every label and shape first."""
+    check_model_state(model, state)
+    params = _labelled(model)
     with torch.no_grad():
         for label, p in params.items():
             p.copy_(state[label])
@@ -211,4 +238,7 @@ def load(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{file} has checkpoint format {got!r}; this version reads {CHECKPOINT_FORMAT}."
         )
+    missing = [k for k in ("step", "model", "optimizer", "loader", "rng") if k not in payload]
+    if missing:
+        raise CheckpointError(f"{file} lacks {missing}: it is not a complete checkpoint of this program.")
     return payload

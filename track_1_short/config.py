@@ -18,6 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from track_1_short.data import DataConfig
+from track_1_short.guards import FaultInjectionConfig, GuardConfig
 from track_1_short.model.gpt import ModelConfig
 from track_1_short.optim.anvil import OptimConfig
 from track_1_short.schedule import ScheduleConfig
@@ -45,6 +46,9 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guards: GuardConfig = field(default_factory=GuardConfig)
+    fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
+    """A test facility (track_1_short/guards.py): breaks a run on purpose; off by default."""
 
     seed: int = 0
     """Seed of the model init and every generator (same on every rank, so replicas start equal)."""

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from track_1_short import checkpoint, distributed, schedule
 from track_1_short.checkpoint import CheckpointError, NonFiniteError
 from track_1_short.config import ConfigError, TrainConfig, accumulation_steps, check_run, to_object
+from track_1_short.guards import Guards
 from track_1_short.run_log import RunLog, environment
 
 
@@ -146,6 +147,14 @@ class Trainer:
         self.log.write_env({**environment(), "world_size": self.world, "device": str(device)})
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.resolved = resolved
+        self.guards = Guards(
+            cfg.guards,
+            cfg.fault_injection,
+            self.opt.params,
+            self.opt.states,
+            self.opt.replicated_labels,
+            log=self.log.text,
+        )
 
     # -- state snapshots (warmup restore, checkpoints) --
     def _payload(self) -> dict:
@@ -167,12 +176,20 @@ class Trainer:
         }
 
     def _restore_(self, payload: dict) -> None:
-        """Load a snapshot in place: parameters, optimizer moments and flat buffers keep their storage."""
+        """Load a snapshot in place: parameters, optimizer moments and flat buffers keep their storage.
+        Every part is checked before any is loaded: a bad snapshot raises and leaves the run as it was."""
+        checkpoint.check_model_state(self.model, payload["model"])
+        checkpoint.check_buffers(self.model, payload.get("buffers"))
+        loader_before = self.loader.state_dict()
+        self.loader.load_state_dict(payload["loader"])  # checks, then moves the cursor
+        try:
+            self.opt.load_state_dict(payload["optimizer"])  # checks everything, then copies
+        except BaseException:
+            self.loader.load_state_dict(loader_before)
+            raise
         checkpoint.load_model_state_(self.model, payload["model"])
         # load_state_dict copies in place and runs the model's hooks that refresh its host-side mirrors.
         self.model.load_state_dict(payload["buffers"], strict=False)
-        self.opt.load_state_dict(payload["optimizer"])
-        self.loader.load_state_dict(payload["loader"])
         checkpoint.restore_rng(payload["rng"])
         for p in self.model.parameters():
             if p.grad is not None:
@@ -182,6 +199,9 @@ class Trainer:
 
     def resume(self, path: str) -> None:
         payload = checkpoint.load(path)
+        meta, needed = payload.get("meta"), {"model", "total_steps", "train_time_ms", "tokens_seen"}
+        if not isinstance(meta, dict) or not needed <= meta.keys():
+            raise CheckpointError(f"resume={path}: the checkpoint's 'meta' entry is missing or incomplete.")
         saved = payload["meta"]["model"]
         current = OmegaConf.to_container(OmegaConf.structured(self.cfg.model))
         if saved != current:
@@ -216,7 +236,9 @@ class Trainer:
             # Per-token mean over this rank's step; the optimizer's reductions average the ranks.
             (loss / (micro * accum)).backward()
             loss_sum += loss.detach().float()
-        self.opt.step(plan.do_adam)
+        if self.guards.grads_ok(step):  # NaN/inf gradient: stop, or skip the update on every rank
+            self.opt.step(plan.do_adam)
+            self.guards.after_update(step)  # replicas compared every guards.checksum_every steps
         self.tokens_seen += plan.batch_tokens
         return loss_sum / (micro * accum)
 
@@ -273,7 +295,7 @@ class Trainer:
         distributed.all_reduce_avg(values)
         out = []
         for (step, _), v in zip(pending, values.tolist()):
-            if not math.isfinite(v):
+            if not math.isfinite(v) and step not in self.guards.skipped_steps:
                 raise NonFiniteLossError(step, v)
             out.append((step, v))
         return out
@@ -358,6 +380,7 @@ class Trainer:
         return RunResult(self.run_dir, val_loss, self.train_time_ms, n, losses)
 
     def save_checkpoint(self) -> Path | None:
+        self.guards.assert_replicas_agree(self.step)  # never record a split model
         payload = self._payload()  # on every rank: the optimizer's state_dict may gather shards
         checkpoint.assert_finite(payload["model"], "model")
         checkpoint.assert_finite(payload["optimizer"], "optimizer state")
