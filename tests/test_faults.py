@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.distributed_harness import run_ranks
-from tests.faults_runs import build, final_state, resume_worker, short_cfg, train_worker
+from tests.faults_runs import build, final_state, scenarios_worker, short_cfg
 from track_1_short import checkpoint, run_log, trainer
 from track_1_short.checkpoint import CheckpointError
 from track_1_short.guards import GuardConfig, GuardConfigError, NonFiniteGradError, checksums, nonfinite_flags
@@ -231,7 +231,8 @@ def test_nan_gradient_stops_naming_step_and_label_and_the_last_good_checkpoint_s
     assert end["status"] == "failed" and "lm_head" in end["error"]
 
 
-@pytest.mark.parametrize("step", [2, 3])  # a non-Adam step and an Adam step
+# A non-Adam step, and an Adam step (whose Adam gradient, accumulated over steps 2 and 3, is dropped with it).
+@pytest.mark.parametrize("step", [2, 3])
 def test_skip_policy_leaves_parameters_and_optimizer_state_as_they_were(step, tmp_path):
     faults = [f"fault_injection.nan_grad_step={step}", "fault_injection.nan_grad_label=scalars"]
     t = build(
@@ -252,40 +253,24 @@ def test_skip_policy_leaves_parameters_and_optimizer_state_as_they_were(step, tm
 # -- 3, 5 (two ranks), 6: gloo ranks --
 @pytest.fixture(scope="module")
 def two_ranks(uninterrupted, tmp_path_factory):
-    """Every two-rank scenario, each a separate run of 2 gloo processes."""
+    """Every two-rank scenario, one after the other in one pair of gloo processes."""
     root = str(tmp_path_factory.mktemp("two"))
     fi = "fault_injection."
-    return {
-        # checksum every step: identical replicas never raise
-        "plain": run_ranks(train_worker, 2, root, (*CKPT, "guards.checksum_every=1", "run_name=plain")),
-        "from_one": run_ranks(resume_worker, 2, root, str(uninterrupted["ckpts"] / "step_000002.pt"), ()),
-        "skip": run_ranks(
-            train_worker,
-            2,
+    rank1_nan = (f"{fi}nan_grad_step=3", f"{fi}nan_grad_rank=1")
+    scenarios = {
+        # checksums every step: identical replicas never raise
+        "plain": ("train", root, (*CKPT, "guards.checksum_every=1", "run_name=plain")),
+        "from_one": ("resume", root, str(uninterrupted["ckpts"] / "step_000002.pt"), ()),
+        # written by "plain" above
+        "resumed": ("resume", root, f"{root}/plain/checkpoints/step_000004.pt", ()),
+        "skip": ("train", root, ("guards.nan_policy=skip", *rank1_nan, f"{fi}nan_grad_label=smear_gate")),
+        "stop": (
+            "train",
             root,
-            (
-                "guards.nan_policy=skip",
-                f"{fi}nan_grad_step=3",
-                f"{fi}nan_grad_label=smear_gate",
-                f"{fi}nan_grad_rank=1",
-            ),
+            (*CKPT, "run_name=stop", *rank1_nan, f"{fi}nan_grad_label=vo_bank", f"{fi}nan_grad_value=-inf"),
         ),
-        "stop": run_ranks(
-            train_worker,
-            2,
-            root,
-            (
-                *CKPT,
-                "run_name=stop",
-                f"{fi}nan_grad_step=3",
-                f"{fi}nan_grad_label=vo_bank",
-                f"{fi}nan_grad_rank=1",
-                f"{fi}nan_grad_value=-inf",
-            ),
-        ),
-        "diverge": run_ranks(
-            train_worker,
-            2,
+        "diverge": (
+            "train",
             root,
             (
                 *CKPT,
@@ -296,8 +281,9 @@ def two_ranks(uninterrupted, tmp_path_factory):
                 f"{fi}diverge_rank=1",
             ),
         ),
-        "root": Path(root),
     }
+    ranks = run_ranks(scenarios_worker, 2, scenarios)
+    return {name: [r[name] for r in ranks] for name in scenarios} | {"root": Path(root)}
 
 
 def test_resume_across_world_sizes_one_to_two_reshards_exactly_and_matches_within_reduction_order(
@@ -336,6 +322,15 @@ def test_resume_across_world_sizes_two_to_one_reshards_exactly_and_matches_withi
     assert max(abs(a - b) for a, b in zip(r.train_losses, plain[0]["losses"][2:])) < 0.05
     assert abs(r.val_loss - plain[0]["val"]) < 0.02
     assert max_rel_diff(final_state(t)["params"], plain[0]["params"]) < 0.02
+
+
+def test_two_rank_resume_is_bitwise_equal_to_the_uninterrupted_two_rank_run(two_ranks):
+    plain, resumed = two_ranks["plain"], two_ranks["resumed"]
+    for r in range(2):
+        assert resumed[r]["losses"] == plain[r]["losses"][4:]
+        assert_tree_bitwise_equal(resumed[r]["params"], plain[r]["params"], f"rank {r}")
+        assert_tree_bitwise_equal(resumed[r]["optimizer"], plain[r]["optimizer"], f"rank {r}")
+        assert resumed[r]["val"] == plain[r]["val"]
 
 
 def test_two_rank_run_with_checksums_every_step_keeps_replicas_identical(two_ranks):
