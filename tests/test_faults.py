@@ -52,17 +52,24 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k].float() - b[k].float()).norm() / b[k].float().norm().clamp_min(1e-30)) for k in a)
 
 
-def die(tmp_path: Path, mode: str, step: int, *overrides: str) -> subprocess.CompletedProcess:
-    """Run the short config in a child process that SIGKILLs itself on cue (see tests/faults_runs.py)."""
-    args = [str(tmp_path), "killed", str(torch.get_num_threads()), mode, str(step), *CKPT, *overrides]
+def die(tmp_path: Path, mode: str, step: int, *overrides: str, ranks: int = 1) -> subprocess.CompletedProcess:
+    """Run the short config in child processes that SIGKILL themselves on cue (see tests/faults_runs.py);
+    two ranks run under torchrun on gloo, one thread each like the harness's ranks."""
+    threads = torch.get_num_threads() if ranks == 1 else 1
+    args = [str(tmp_path), "killed", str(threads), mode, str(step), *CKPT, *overrides]
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else []
+    )
     out = subprocess.run(
-        [sys.executable, "-m", "tests.faults_runs", *args],
+        [sys.executable, *launcher, "-m", "tests.faults_runs", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert out.returncode == -9, out.stderr[-3000:]  # killed by SIGKILL, not finished or failed
+    # Killed by SIGKILL, not finished or failed (torchrun reports its ranks' signal and exits 1).
+    assert out.returncode == (-9 if ranks == 1 else 1), out.stderr[-3000:]
+    assert ranks == 1 or "SIGKILL" in out.stderr, out.stderr[-3000:]
     return out
 
 
@@ -255,14 +262,15 @@ def test_skip_policy_leaves_parameters_and_optimizer_state_as_they_were(step, tm
 def two_ranks(uninterrupted, tmp_path_factory):
     """Every two-rank scenario, one after the other in one pair of gloo processes."""
     root = str(tmp_path_factory.mktemp("two"))
+    kill_at = random.randrange(3, 6)  # after the checkpoint at 2 (and, for 5, the one at 4)
+    die(Path(root), "step", kill_at, ranks=2)
     fi = "fault_injection."
     rank1_nan = (f"{fi}nan_grad_step=3", f"{fi}nan_grad_rank=1")
     scenarios = {
         # checksums every step: identical replicas never raise
         "plain": ("train", root, (*CKPT, "guards.checksum_every=1", "run_name=plain")),
         "from_one": ("resume", root, str(uninterrupted["ckpts"] / "step_000002.pt"), ()),
-        # written by "plain" above
-        "resumed": ("resume", root, f"{root}/plain/checkpoints/step_000004.pt", ()),
+        "resumed": ("resume", root, f"{root}/killed/checkpoints", ()),
         "skip": ("train", root, ("guards.nan_policy=skip", *rank1_nan, f"{fi}nan_grad_label=smear_gate")),
         "stop": (
             "train",
@@ -283,7 +291,7 @@ def two_ranks(uninterrupted, tmp_path_factory):
         ),
     }
     ranks = run_ranks(scenarios_worker, 2, scenarios)
-    return {name: [r[name] for r in ranks] for name in scenarios} | {"root": Path(root)}
+    return {name: [r[name] for r in ranks] for name in scenarios} | {"root": Path(root), "kill_at": kill_at}
 
 
 def test_resume_across_world_sizes_one_to_two_reshards_exactly_and_matches_within_reduction_order(
@@ -324,13 +332,16 @@ def test_resume_across_world_sizes_two_to_one_reshards_exactly_and_matches_withi
     assert max_rel_diff(final_state(t)["params"], plain[0]["params"]) < 0.02
 
 
-def test_two_rank_resume_is_bitwise_equal_to_the_uninterrupted_two_rank_run(two_ranks):
-    plain, resumed = two_ranks["plain"], two_ranks["resumed"]
+def test_two_ranks_killed_at_a_random_step_then_resumed_are_bitwise_equal_to_the_uninterrupted_run(two_ranks):
+    plain, resumed, kill_at = two_ranks["plain"], two_ranks["resumed"], two_ranks["kill_at"]
+    resumed_from = kill_at // 2 * 2
+    assert checkpoint.resolve(two_ranks["root"] / "killed").name == checkpoint.checkpoint_name(resumed_from)
     for r in range(2):
-        assert resumed[r]["losses"] == plain[r]["losses"][4:]
-        assert_tree_bitwise_equal(resumed[r]["params"], plain[r]["params"], f"rank {r}")
-        assert_tree_bitwise_equal(resumed[r]["optimizer"], plain[r]["optimizer"], f"rank {r}")
-        assert resumed[r]["val"] == plain[r]["val"]
+        where = f"rank {r}, killed at step {kill_at}"
+        assert resumed[r]["losses"] == plain[r]["losses"][resumed_from:], where
+        assert_tree_bitwise_equal(resumed[r]["params"], plain[r]["params"], where)
+        assert_tree_bitwise_equal(resumed[r]["optimizer"], plain[r]["optimizer"], where)
+        assert resumed[r]["val"] == plain[r]["val"], where
 
 
 def test_two_rank_run_with_checksums_every_step_keeps_replicas_identical(two_ranks):
