@@ -71,11 +71,13 @@ def one_process(tmp_path_factory):
 def test_one_process_run_finishes_and_loss_decreases(one_process):
     losses = one_process.train_losses
     assert len(losses) == sum(STEPS)
-    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.5  # nats/token; step 0 sits near ln(50304)
+    # nats/token; step 0 sits near ln(2176) (the default experiment's compact vocabulary); 8 tiny steps take
+    # off ~0.25, far more than the ~0.01 step-to-step noise of these losses.
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.15
     assert run_log.is_finished(one_process.run_dir)
     facts = one_process.corpus
-    assert facts["entropy_floor"] < facts["unigram_entropy"] < math.log(50304)
-    assert one_process.val_loss < math.log(50304)
+    assert facts["entropy_floor"] < facts["unigram_entropy"] < math.log(2176)
+    assert one_process.val_loss < math.log(2176)
 
 
 def test_run_directory_follows_the_contract_and_parses_with_the_record_gate(one_process):
@@ -114,7 +116,7 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(one_pro
         "events.jsonl",
         "log.txt",
     ]
-    assert r0["losses"][-1] < r0["losses"][0] - 0.5
+    assert r0["losses"][-1] < r0["losses"][0] - 0.15  # as in the one-process test
     # Same documents and the same averaged gradients, summed in another order (two ranks' means averaged vs
     # one rank's two microbatches): fp32 rounding differences, amplified through bf16 weights over 8 steps.
     diffs = [abs(a - b) for a, b in zip(r0["losses"], one_process.train_losses)]

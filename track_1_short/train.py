@@ -35,6 +35,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, CheckpointError, OptimizerStateError, *data.USER_ERRORS)
 
 
+def _run_failures() -> tuple[type[BaseException], ...]:
+    """Failures of a run that started: a non-finite loss or gradient, replicas that drifted apart."""
+    from track_1_short import guards
+
+    return (trainer.NonFiniteLossError, guards.NonFiniteGradError, guards.ReplicaDivergenceError)
+
+
 def _report(result: trainer.RunResult) -> None:
     facts = result.corpus
     line = f"final val loss {result.val_loss:.4f} nats/token after {result.steps} steps"
@@ -53,13 +60,13 @@ def main(cfg: DictConfig) -> None:
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"  # Hydra's own switch for tracebacks
     try:
         result = trainer.run(cfg)
-    except (*_user_errors(), trainer.NonFiniteLossError) as e:
+    except (*_user_errors(), *_run_failures()) as e:
         if full_error:
             raise
         if distributed.is_main():
             print(f"error: {e}", file=sys.stderr)
         distributed.destroy()
-        sys.exit(EXIT_FAILED if isinstance(e, trainer.NonFiniteLossError) else EXIT_USER_ERROR)
+        sys.exit(EXIT_FAILED if isinstance(e, _run_failures()) else EXIT_USER_ERROR)
     main_rank = distributed.is_main()
     distributed.destroy()
     if main_rank:
