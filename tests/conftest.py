@@ -2,7 +2,8 @@
 
 Without a GPU, Triton kernels run in its interpreter. The interpreter is chosen when ``@triton.jit``
 decorates a kernel, so TRITON_INTERPRET must be set before any kernel module is imported: that is why it
-happens here, at collection time, and why spawned ranks (tests/distributed_harness.py) inherit it through the environment.
+happens here, at collection time, and why spawned ranks (tests/distributed_harness.py) inherit it through
+the environment.
 """
 
 import os

@@ -126,7 +126,7 @@ def all_reduce_max(tensor: torch.Tensor, async_op: bool = False) -> Handle:
 
 
 def reduce_scatter_avg(output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
-    """Average ``input`` over ranks; ``output`` gets this rank's dim-0 slice (``input.shape[0] / world`` rows)."""
+    """Average ``input`` over ranks; ``output`` gets this rank's dim-0 slice (input.shape[0] / world rows)."""
     if world_size() == 1:
         output.copy_(input)
         return Handle()
