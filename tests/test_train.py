@@ -180,3 +180,14 @@ def test_missing_data_directory_prints_the_download_command_without_a_traceback(
         "experiment=record", f"data.dir={tmp_path / 'nowhere'}", f"runs_root={tmp_path}", full_error=True
     )
     assert full.returncode != 0 and "Traceback" in full.stderr
+
+
+def test_device_replicated_mode_trains_bit_for_bit_like_the_fused_path(one_process, tmp_path):
+    # optim.replicated_impl=device: gradients accumulate in the flat buffer over both microbatches, the reduce is
+    # armed before the last backward of Adam steps, and the table is built on the device; same bits as "fused".
+    device = trainer.run(
+        short_cfg(str(tmp_path), MICRO, "checkpoint.every=2", "optim.replicated_impl=device")
+    )
+    assert device.train_losses == one_process.train_losses
+    assert device.val_loss == one_process.val_loss
+    assert_bitwise_equal(params_of(device), params_of(one_process))

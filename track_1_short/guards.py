@@ -174,6 +174,7 @@ class Guards:
         states: Mapping[str, Mapping],
         replicated: Sequence[str],
         log: Callable[[str], None] = lambda _msg: None,
+        drop_grads: Callable[[], None] | None = None,
     ) -> None:
         for name, label in (
             ("nan_grad_label", faults.nan_grad_label),
@@ -190,6 +191,7 @@ class Guards:
         self.labels = list(params)
         self.params = dict(params)
         self.replicated = [label for label in self.labels if label in set(replicated)]
+        self._drop_grads = drop_grads
         self.states = states
         self.rank, self.world = distributed.rank(), distributed.world_size()
         self.skipped_steps: list[int] = []
@@ -211,8 +213,11 @@ class Guards:
             return True
         if self.cfg.nan_policy == "stop":
             raise NonFiniteGradError(step, [b[0] for b in bad], [b[1] for b in bad], self.world)
-        for p in self.params.values():
-            p.grad = None
+        if self._drop_grads is not None:
+            self._drop_grads()  # the optimizer's zero_grad keeps gradient views it owns (replicated_impl=device)
+        else:
+            for p in self.params.values():
+                p.grad = None
         self.skipped_steps.append(step)
         self.log(
             f"step {step} skipped: non-finite gradient in {[b[0] for b in bad]} (guards.nan_policy=skip)"

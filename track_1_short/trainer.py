@@ -154,6 +154,7 @@ class Trainer:
             self.opt.states,
             self.opt.replicated_labels,
             log=self.log.text,
+            drop_grads=self.opt.zero_grad,
         )
 
     # -- state snapshots (warmup restore, checkpoints) --
@@ -230,7 +231,9 @@ class Trainer:
         accum = accumulation_steps(plan.batch_tokens, self.world, self.cfg.micro_batch_tokens)
         micro = plan.batch_tokens // self.world // accum
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        for _ in range(accum):
+        for k in range(accum):
+            if plan.do_adam and k == accum - 1:
+                self.opt.arm_replicated_reduce()  # optim.replicated_impl=device: reduce from the last backward
             b = self.loader.next_batch(micro, plan.max_doc_len)
             loss = self.forward(b.inputs, b.targets, b.cu_seqlens, plan.windows, list(plan.mtp_weights))
             # Per-token mean over this rank's step; the optimizer's reductions average the ranks.

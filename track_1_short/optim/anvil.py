@@ -64,7 +64,7 @@ __all__ = [
 STATE_FORMAT = "anvil_adam/1"
 """Tag of the state_dict layout; load_state_dict refuses any other."""
 
-REPLICATED_IMPLS = ("fused", "reference")
+REPLICATED_IMPLS = ("fused", "device", "reference")
 
 
 @dataclass
@@ -96,7 +96,9 @@ class OptimConfig:
     frobenius_margin: float = 1.05
     """The cascade divides by margin * ||X||_F; its maps are derived for 1.05."""
     replicated_impl: str = "fused"
-    """Replicated Adam: "fused" (flat buffers, one all_reduce and one kernel per dtype) or "reference"."""
+    """Replicated Adam: "fused" (flat buffers, one all_reduce and one kernel per dtype), "device" (the same with
+    no host work: device scalar table, gradients accumulated in the flat buffer, one launch, CUDA graphs) or
+    "reference" (per-parameter all_reduce and Adam step). All three give the same parameters."""
     adam_every: int = 2
     """Adam updates on steps with step % adam_every == adam_every - 1 (upstream: odd steps)."""
 
@@ -198,7 +200,7 @@ class AnvilAndAdam:
                     margin=cfg.frobenius_margin,
                 )
         self._fused = None
-        if self.replicated_labels and cfg.replicated_impl == "fused":
+        if self.replicated_labels and cfg.replicated_impl in ("fused", "device"):
             from track_1_short.perf.replicated_adam import ReplicatedAdam
 
             labels = self.replicated_labels
@@ -207,7 +209,9 @@ class AnvilAndAdam:
                 [self.param_cfgs[k] for k in labels],
                 [self.states[k] for k in labels],
                 self.device,
+                impl=cfg.replicated_impl,
             )
+        self._replicated_set = set(self.replicated_labels)
         self._reference_reduces: list[tuple[str, distributed.Handle]] = []
         # Adam's (step_size, eff_wd) as two reused 0-D fp32 tensors: a compiled step never sees a new input.
         self._adam_scalar_buffers = reference_adam.new_scalar_buffers()
@@ -327,6 +331,24 @@ class AnvilAndAdam:
                 p.grad = None
         if do_adam and self._fused is not None:
             self._fused.zero_grad()
+
+    def _owns_grad(self, label: str) -> bool:
+        return self._fused is not None and self._fused.owns_grads and label in self._replicated_set
+
+    def zero_grad(self) -> None:
+        """Drop every gradient (e.g. a skipped step): .grad = None, or zeros where the device mode owns them."""
+        for label, p in self.params.items():
+            if not self._owns_grad(label):
+                p.grad = None
+        if self._fused is not None:
+            self._fused.zero_grad()
+
+    def arm_replicated_reduce(self) -> None:
+        """Before the last backward of an Adam step: the device mode starts the replicated all_reduce from the
+        gradient hooks of that backward (overlap). A no-op for the other modes; without it the reduce starts
+        in step()'s Phase 0, with the same result."""
+        if self._fused is not None:
+            self._fused.arm_reduce()
 
     def _launch_replicated_reduce(self) -> None:
         if self._fused is not None:
@@ -495,7 +517,9 @@ class AnvilAndAdam:
             if self.param_cfgs[label].optim != "adam":
                 continue
             grad = sd["pending_grads"].get(label)
-            if grad is None:
+            if grad is None and self._owns_grad(label):
+                p.grad.zero_()  # a view into the device mode's flat gradient buffer: keep it
+            elif grad is None:
                 p.grad = None
             elif p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
                 p.grad.copy_(grad)
