@@ -233,7 +233,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for k in range(accum):
             if plan.do_adam and k == accum - 1:
-                self.opt.arm_replicated_reduce()  # optim.replicated_impl=device: reduce from the last backward
+                # optim.replicated_impl=device: the reduce starts from this, the last, backward
+                self.opt.arm_replicated_reduce()
             b = self.loader.next_batch(micro, plan.max_doc_len)
             loss = self.forward(b.inputs, b.targets, b.cu_seqlens, plan.windows, list(plan.mtp_weights))
             # Per-token mean over this rank's step; the optimizer's reductions average the ranks.

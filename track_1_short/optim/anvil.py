@@ -96,9 +96,9 @@ class OptimConfig:
     frobenius_margin: float = 1.05
     """The cascade divides by margin * ||X||_F; its maps are derived for 1.05."""
     replicated_impl: str = "fused"
-    """Replicated Adam: "fused" (flat buffers, one all_reduce and one kernel per dtype), "device" (the same with
-    no host work: device scalar table, gradients accumulated in the flat buffer, one launch, CUDA graphs) or
-    "reference" (per-parameter all_reduce and Adam step). All three give the same parameters."""
+    """Replicated Adam: "fused" (flat buffers, one all_reduce and one kernel per dtype), "device" (the same
+    with no host work: device scalar table, gradients accumulated in the flat buffer, one launch, CUDA graphs)
+    or "reference" (per-parameter all_reduce and Adam step). All three give the same parameters."""
     adam_every: int = 2
     """Adam updates on steps with step % adam_every == adam_every - 1 (upstream: odd steps)."""
 
@@ -336,7 +336,7 @@ class AnvilAndAdam:
         return self._fused is not None and self._fused.owns_grads and label in self._replicated_set
 
     def zero_grad(self) -> None:
-        """Drop every gradient (e.g. a skipped step): .grad = None, or zeros where the device mode owns them."""
+        """Drop every gradient (a skipped step): .grad = None, or zeros where the device mode owns them."""
         for label, p in self.params.items():
             if not self._owns_grad(label):
                 p.grad = None
