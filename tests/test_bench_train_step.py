@@ -1,25 +1,18 @@
 """The parts of perf/bench_train_step.py that decide its figures: shapes, data, timing, kernel classes."""
 
-import importlib.util
 import math
-import sys
 
 import pytest
 import torch
 from omegaconf.errors import ValidationError
 
+from tests.perf_scripts import load_perf_script
 from track_1_short.perf.bench_meta import REPO_ROOT
 from track_1_short.schedule import ScheduleConfig, StageConfig
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location(
-        "perf_bench_train_step", REPO_ROOT / "perf" / "bench_train_step.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_perf_script("bench_train_step")
 
 
 bench = load_bench()

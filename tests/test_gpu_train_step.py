@@ -6,7 +6,6 @@ torch.compile. The CPU test runs the benchmark's own command at tiny size and ch
 perf/results.py renders.
 """
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -15,18 +14,13 @@ import sys
 import pytest
 import torch
 
+from tests.perf_scripts import load_perf_script
 from track_1_short import schedule
 from track_1_short.perf.bench_meta import REPO_ROOT, REQUIRED_KEYS
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location(
-        "perf_bench_train_step", REPO_ROOT / "perf" / "bench_train_step.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_perf_script("bench_train_step")
 
 
 @pytest.mark.gpu

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
+from tests.perf_scripts import load_perf_script
 from track_1_short.optim.polar_express import cascade_flops
 from track_1_short.perf.bench_meta import check_bench_payload
 
-SCRIPT = Path(__file__).resolve().parents[2] / "perf" / "bench_optimizer.py"
-
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_optimizer", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_perf_script("bench_optimizer")
 
 
 def test_bench_runs_small_on_the_cpu_and_writes_rows_with_floors(tmp_path, capsys):

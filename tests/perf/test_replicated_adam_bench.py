@@ -1,19 +1,14 @@
 """perf/bench_replicated_adam.py on the CPU: it runs every path, counts launches, checks the paths agree."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "perf" / "bench_replicated_adam.py"
+from tests.perf_scripts import load_perf_script
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_replicated_adam", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_perf_script("bench_replicated_adam")
 
 
 @pytest.fixture(scope="module")
