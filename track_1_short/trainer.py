@@ -192,8 +192,10 @@ class Trainer:
         # load_state_dict copies in place and runs the model's hooks that refresh its host-side mirrors.
         self.model.load_state_dict(payload["buffers"], strict=False)
         checkpoint.restore_rng(payload["rng"])
-        for p in self.model.parameters():
-            if p.grad is not None:
+        # Adam's accumulated gradients are part of the optimizer's state and were just loaded with it; clear
+        # only the others (ANVIL's are cleared every step, so this is a guard, not a reset of saved state).
+        for label, p in self.opt.params.items():
+            if p.grad is not None and self.opt.param_cfgs[label].optim != "adam":
                 p.grad.zero_()  # in place: grads may be views of a flat buffer
         self.opt.assert_views_intact()
         self.step = int(payload["step"])
