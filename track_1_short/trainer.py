@@ -375,14 +375,15 @@ class Trainer:
                 train_time_ms=self.train_time_ms,
                 error=f"{type(e).__name__}: {e}",
             )
-            self.log.close()
+            raise
+        else:
+            self.log.end(
+                n, n, "finished", val_loss=val_loss, train_time_ms=self.train_time_ms, **self._memory()
+            )
+        finally:
             bar.close()
             self.loader.close()
-            raise
-        bar.close()
-        self.loader.close()
-        self.log.end(n, n, "finished", val_loss=val_loss, train_time_ms=self.train_time_ms, **self._memory())
-        self.log.close()
+            self.log.close()
         return RunResult(self.run_dir, val_loss, self.train_time_ms, n, losses)
 
     def save_checkpoint(self) -> Path | None:
