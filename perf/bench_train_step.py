@@ -1,26 +1,24 @@
-"""One training step of the track1 model at the record's per-rank batch shapes: time, throughput, memory, MFU.
+"""The trainer's own training step at the record's stage shapes: time, throughput, memory, MFU.
 
-    python perf/bench_train_step.py --out perf/results/train_step.json      # CUDA, compiled, stages 0 and 2
-    python perf/bench_train_step.py --device cpu --tiny --out /tmp/ts.json    # CPU smoke test, tiny model
+    python perf/bench_train_step.py --out perf/results/train_step.json  # CUDA, record_1gpu, stages 0 2
+    python perf/bench_train_step.py --device cpu --tiny --out /tmp/ts.json  # CPU smoke, smoke_record
+    python perf/bench_train_step.py optim.replicated_impl=device --stages 2  # Hydra overrides
 
-One step is what the training loop (track_1_short/trainer.py) does at world size 1: ``set_schedule``, the
-forward (the weighted CE summed over tokens), backward of the per-token mean, ``AnvilAndAdam.step`` with the
-schedule's Adam cadence; the model is compiled (torch.compile, dynamic=False) on CUDA. The shapes come from
-configs/schedule/track1.yaml: the record trains on 8 GPUs, so a rank's microbatch is a stage's global batch
-/ 8 (stage 0: 16384 tokens, windows (1, 3), MTP weights [1, 0.5, 0.25]; stage 2: 49152 tokens, windows
-(5, 11)). Tokens are random, packed into whole documents (BOS first) whose lengths follow a log-normal with
-median 400 tokens (mean 660 before the cap at the stage's max_doc_len), a web-text-like spread: lengths shape
-the attention mask and the per-document work, not the dense matmuls. Batches live on the device, so loading
-is not timed.
+What is timed is ``Trainer.train_step`` (track_1_short/trainer.py), the very function the training loop
+calls: the schedule, the loader's next batches, forward and backward per microbatch, the guards and
+``AnvilAndAdam.step``, on the trainer's compiled model. The bench composes the same Hydra config as
+``python -m track_1_short.train`` (default: ``experiment=record_1gpu``, the record's model, optimizer and
+stage geometries on one GPU), so the bench and the run cannot drift apart: the preset's timed-loop tokens/s
+is the bench's figure plus the run's few read-backs.
 
 Figures per stage: ms/step is the Adam cycle's mean of the per-kind medians (one Adam step and adam_every - 1
-steps without), each step timed with CUDA events from its start to the next step's start after a warm-up;
-tokens/s; peak and resident memory (max_memory_allocated, and memory_allocated before the timed steps);
-MFU = FLOPs per token x tokens/s / the bf16 matmul rate measured in the same run (median of repeated 8192^3
-torch.matmul on random data), so MFU compares the step with what this GPU does, not with a datasheet; FLOPs
-per token are the model's ``flops_per_token`` per document (length and windows), token-weighted. The
-floor of ms/step is the step's FLOPs at that rate (100% MFU); forward and backward floors are 1/3 and 2/3 of
-it (the backward of a matmul is two matmuls).
+steps without), each step timed with CUDA events from its start to the next step's start, after untimed
+steps at the stage's start (the first compiles); tokens/s; peak and resident memory (max_memory_allocated,
+and memory_allocated before the timed steps); MFU = FLOPs per token x tokens/s / the bf16 matmul rate
+measured in the same run (median of repeated 8192^3 torch.matmul on random data), so MFU compares the step
+with what this GPU does, not with a datasheet; FLOPs per token are the model's ``flops_per_token`` per
+document of the batches the loader gave (length and windows), token-weighted. The floor of ms/step is the
+step's FLOPs at that rate (100% MFU); forward and backward floors are 1/3 and 2/3 of it.
 
 What stands between a figure and its floor: the forward/backward/optimizer split (the optimizer is outside
 the FLOP count) and, on CUDA, one profiled Adam cycle: the share of it in which the GPU runs kernels (the rest
@@ -37,123 +35,16 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from track_1_short import schedule
 from track_1_short.perf.bench_meta import REPO_ROOT, bench_metadata, write_bench_json
 
-RECORD_WORLD_SIZE = 8  # the record's GPU count: a rank's microbatch is a stage's global batch / 8
-DOC_LEN_MEDIAN = 400.0  # tokens; document lengths are log-normal, median 400, mean 660 (sigma 1)
-DOC_LEN_SIGMA = 1.0
-BATCHES_PER_STAGE = 4  # token batches cycled through; one boundary set, so one compiled graph per stage
-TINY_TOKENS = 512  # --tiny: tokens per step
-TINY_MAX_DOC_LEN = 160  # --tiny: document cap, in tokens
+DEFAULT_EXPERIMENT = "record_1gpu"  # the one-GPU record preset (CUDA)
+TINY_EXPERIMENT = "smoke_record"  # --tiny: the CPU smoke preset (tiny model, compact vocabulary)
 GIB = 1024**3
-
-
-@dataclass
-class StageShape:
-    """One benchmarked configuration: a schedule stage's per-rank microbatch, as at the stage's first step."""
-
-    stage: int
-    first_step: int  # the warm-up starts here and timing follows it: set_schedule sees the stage's own steps
-    tokens: int  # tokens per step on one rank
-    max_doc_len: int  # tokens
-    windows: tuple[int, int]  # (short, long), in attention blocks
-    mtp_weights: list[float]  # held at the stage's first value: one compiled graph per stage
-
-
-@dataclass
-class Batch:
-    inputs: torch.Tensor  # int32 [T]
-    targets: torch.Tensor  # int64 [T]
-    cu_seqlens: torch.Tensor  # int32 [n_docs + 1], 0 ... T
-
-
-CONFIG_GROUPS = ("model", "optim", "schedule")  # the groups --set can reach
-
-
-def load_structured(dataclass_type, path: Path, overrides: list[str] | None = None):
-    """A config dataclass from one Hydra group YAML (+ ``key=value`` overrides), through OmegaConf."""
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist; run from a full checkout.")
-    node = OmegaConf.load(path)
-    if "defaults" in node:  # a group file's own defaults list is Hydra's business, not the dataclass's
-        node.pop("defaults")
-    merged = OmegaConf.merge(
-        OmegaConf.structured(dataclass_type), node, OmegaConf.from_dotlist(overrides or [])
-    )
-    return OmegaConf.to_object(merged)
-
-
-def group_overrides(assignments: list[str]) -> dict[str, list[str]]:
-    """``--set model.check_inputs=false`` -> {"model": ["check_inputs=false"]}; a bad item is refused."""
-    out: dict[str, list[str]] = {g: [] for g in CONFIG_GROUPS}
-    for item in assignments:
-        group, _, rest = item.partition(".")
-        if group not in out or "=" not in rest:
-            raise ValueError(
-                f"--set {item}: write GROUP.KEY=VALUE with GROUP one of {', '.join(CONFIG_GROUPS)}."
-            )
-        out[group].append(rest)
-    return out
-
-
-def stage_shapes(cfg: schedule.ScheduleConfig, stages: list[int], tiny: bool) -> list[StageShape]:
-    starts = schedule.stage_starts(cfg)
-    shapes = []
-    for i in stages:
-        if not 0 <= i < len(cfg.stages):
-            raise ValueError(
-                f"--stages: stage {i} does not exist; the schedule has {len(cfg.stages)} stages."
-            )
-        plan = schedule.plan(cfg, starts[i], adam_every=1)
-        shapes.append(
-            StageShape(
-                stage=i,
-                first_step=starts[i],
-                tokens=TINY_TOKENS if tiny else plan.batch_tokens // RECORD_WORLD_SIZE,
-                max_doc_len=min(plan.max_doc_len, TINY_MAX_DOC_LEN) if tiny else plan.max_doc_len,
-                windows=plan.windows,
-                mtp_weights=list(plan.mtp_weights),
-            )
-        )
-    return shapes
-
-
-def document_lengths(tokens: int, max_doc_len: int, generator: torch.Generator) -> list[int]:
-    """Lengths of whole documents (each capped at ``max_doc_len``) that fill exactly ``tokens`` tokens."""
-    lengths, left = [], tokens
-    while left > 0:
-        z = torch.randn((), generator=generator).item()
-        n = min(max(1, round(DOC_LEN_MEDIAN * math.exp(DOC_LEN_SIGMA * z))), max_doc_len, left)
-        lengths.append(n)
-        left -= n
-    return lengths
-
-
-def synthetic_batches(shape: StageShape, vocab_size: int, bos_id: int, device, seed: int) -> list[Batch]:
-    """``BATCHES_PER_STAGE`` batches of random tokens; every document starts with BOS, as the loader's do."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = document_lengths(shape.tokens, shape.max_doc_len, g)
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    batches = []
-    for _ in range(BATCHES_PER_STAGE):
-        buf = torch.randint(0, vocab_size, (shape.tokens + 1,), generator=g)  # inputs, then targets shifted
-        buf[cu[:-1].long()] = bos_id
-        batches.append(
-            Batch(
-                inputs=buf[:-1].to(device=device, dtype=torch.int32),
-                targets=buf[1:].to(device=device, dtype=torch.int64),
-                cu_seqlens=cu.to(device),
-            )
-        )
-    return batches
 
 
 def batch_flops_per_token(flops_per_token, model_cfg, cu_seqlens: torch.Tensor, windows) -> float:
@@ -184,15 +75,17 @@ def matmul_tflops(size: int, device: torch.device, warmup: int = 10, reps: int =
 
 
 class Timer:
-    """Time marks on the device's stream (CUDA events), or on the host clock on the CPU (ops are synchronous).
+    """Labelled time marks on the device's stream (CUDA events), or on the host clock on the CPU (ops are
+    synchronous there).
 
-    ``mark()`` records a point; after the ``with`` block, ``elapsed_ms()`` gives each mark in ms from the
-    first.
+    ``mark(label)`` records a point; after the ``with`` block, ``elapsed_ms()`` gives each mark in ms from
+    the first and ``labels`` their labels.
     """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.events: list = []
+        self.labels: list[str] = []
 
     def __enter__(self):
         return self
@@ -202,7 +95,8 @@ class Timer:
             torch.cuda.synchronize()
         return False
 
-    def mark(self) -> None:
+    def mark(self, label: str = "") -> None:
+        self.labels.append(label)
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -281,38 +175,36 @@ def profile_cycle(run_step, first_step: int, n_steps: int) -> dict:
     return kernel_breakdown(trace.get("traceEvents", []))
 
 
-@dataclass
-class Bench:
-    """What every stage's measurement shares: the built objects and the run's settings."""
+def step_times(labels: list[str], marks: list[float], steps: int) -> list[tuple[float, float, float]]:
+    """(forward, backward, optimizer) ms per step from labelled marks.
 
-    model: torch.nn.Module
-    forward: torch.nn.Module  # the compiled model, or the model itself
-    opt: object  # AnvilAndAdam
-    schedule: schedule.ScheduleConfig
-    adam_every: int
-    device: torch.device
-    matmul_tflops: float
-    warmup: int
-    steps: int
-    profile: bool
-
-
-def step_times(marks: list[float], steps: int) -> list[tuple[float, float, float]]:
-    """(forward, backward, optimizer) ms per step from 3 marks per step plus a closing mark.
-
-    A step runs from its start mark to the next step's, so host gaps between steps count (the optimizer phase
-    ends where the next step starts).
+    Each step is a "start" mark, then "forward" and "backward" after each microbatch's forward and backward,
+    and the marks end with a closing "start". A step runs from its start mark to the next step's, so host
+    gaps between steps count (the optimizer phase ends where the next step starts); with several microbatches
+    their forwards and their backwards add up.
     """
-    if len(marks) != 3 * steps + 1:
-        raise ValueError(f"expected {3 * steps + 1} marks for {steps} steps, got {len(marks)}.")
-    return [
-        (
-            marks[3 * i + 1] - marks[3 * i],
-            marks[3 * i + 2] - marks[3 * i + 1],
-            marks[3 * i + 3] - marks[3 * i + 2],
-        )
-        for i in range(steps)
-    ]
+    starts = [i for i, label in enumerate(labels) if label == "start"]
+    if (
+        len(labels) != len(marks)
+        or len(starts) != steps + 1
+        or starts[0] != 0
+        or starts[-1] != len(marks) - 1
+    ):
+        raise ValueError(f"expected {steps} steps of labelled marks closed by a start mark, got {labels}.")
+    out = []
+    for lo, hi in zip(starts, starts[1:]):
+        fwd = bwd = 0.0
+        for i in range(lo + 1, hi):
+            if labels[i] == "forward":
+                fwd += marks[i] - marks[i - 1]
+            elif labels[i] == "backward":
+                bwd += marks[i] - marks[i - 1]
+            else:
+                raise ValueError(f"unknown mark {labels[i]!r} inside a step.")
+        if labels[hi - 1] != "backward":
+            raise ValueError("a step's marks must end with its last backward.")
+        out.append((fwd, bwd, marks[hi] - marks[hi - 1]))
+    return out
 
 
 def cycle_mean(per_step: list[float], adam: list[bool], adam_every: int) -> float:
@@ -327,89 +219,105 @@ def cycle_mean(per_step: list[float], adam: list[bool], adam_every: int) -> floa
     return (statistics.median(with_adam) + (adam_every - 1) * rest) / adam_every
 
 
-def measure_stage(
-    b: Bench, shape: StageShape, batches: list[Batch], flops_per_token: float, attention_flops_pct: float
-) -> dict:
-    """Warm up, time ``b.steps`` steps from the stage's first step, and return the stage's row.
+def measure_stage(trainer, stage: int, warmup: int, steps: int, matmul_rate: float, profile: bool) -> dict:
+    """Untimed steps from the stage's first step (the first compiles), then ``steps`` timed ones; the row."""
+    from track_1_short.config import accumulation_steps
+    from track_1_short.model.gpt import flops_per_token
 
-    ``flops_per_token``: training FLOPs per token of the batch; ``attention_flops_pct``: the attention
-    (scores and values) share of them.
-    """
-    cuda = b.device.type == "cuda"
+    cfg, device = trainer.cfg, trainer.device
+    cuda = device.type == "cuda"
+    sched, adam_every = cfg.schedule, cfg.optim.adam_every
+    first = schedule.stage_starts(sched)[stage]
+    plan = schedule.plan(sched, first, adam_every)
+    if first + warmup + steps > schedule.stage_starts(sched)[stage] + sched.stages[stage].steps:
+        raise ValueError(
+            f"stage {stage} has {sched.stages[stage].steps} steps; --warmup {warmup} + --steps {steps} "
+            "must fit in it (the shapes change at the next stage)."
+        )
+    accum = accumulation_steps(plan.batch_tokens, trainer.world, cfg.micro_batch_tokens)
+    tokens = plan.batch_tokens // trainer.world  # one rank's tokens per step
+
+    seen: list[torch.Tensor] = []  # the boundaries of every timed batch, read after the timing (no sync)
+    next_batch = trainer.loader.next_batch
+
+    def recording_next_batch(*a, **k):
+        batch = next_batch(*a, **k)
+        seen.append(batch.cu_seqlens)
+        return batch
 
     def run_step(step: int, timer: Timer | None) -> torch.Tensor:
-        plan = schedule.plan(b.schedule, step, b.adam_every)
-        batch = batches[step % len(batches)]
-        if timer:
-            timer.mark()
-        b.opt.set_schedule(plan.lr_multiplier, plan.rail_beta, step)
-        loss = b.forward(batch.inputs, batch.targets, batch.cu_seqlens, shape.windows, shape.mtp_weights)
-        if timer:
-            timer.mark()
-        (loss / shape.tokens).backward()  # the training loop's per-token mean
-        if timer:
-            timer.mark()
-        b.opt.step(plan.do_adam)
+        if timer is None:
+            return trainer.train_step(step)
+        timer.mark("start")
+        loss = trainer.train_step(step, marks=timer.mark)
         return loss
 
     t0 = time.perf_counter()
-    loss = run_step(shape.first_step, None)  # compiles on the first call
+    loss = run_step(first, None)  # compiles on the first call of a new geometry
     if not math.isfinite(loss.item()):
-        raise RuntimeError(
-            f"stage {shape.stage}: the first step's loss is {loss.item()}; the model is broken."
-        )
-    compile_s = time.perf_counter() - t0
-    for step in range(shape.first_step + 1, shape.first_step + b.warmup):
+        raise RuntimeError(f"stage {stage}: the first step's loss is {loss.item()}; the model is broken.")
+    first_step_s = time.perf_counter() - t0
+    for step in range(first + 1, first + warmup):
         run_step(step, None)
-    first = shape.first_step + b.warmup
+    timed_first = first + warmup
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     resident = torch.cuda.memory_allocated() if cuda else None
+    trainer.loader.next_batch = recording_next_batch
     wall0 = time.perf_counter()
-    with Timer(b.device) as timer:
-        for step in range(first, first + b.steps):
-            loss = run_step(step, timer)
-        timer.mark()
+    try:
+        with Timer(device) as timer:
+            for step in range(timed_first, timed_first + steps):
+                loss = run_step(step, timer)
+            timer.mark("start")
+    finally:
+        trainer.loader.next_batch = next_batch
     wall_ms = (time.perf_counter() - wall0) * 1e3  # the Timer synchronised on exit
     peak = torch.cuda.max_memory_allocated() if cuda else None
     if not math.isfinite(loss.item()):
-        raise RuntimeError(f"stage {shape.stage}: the loss became {loss.item()} while timing.")
+        raise RuntimeError(f"stage {stage}: the loss became {loss.item()} while timing.")
 
-    phases = step_times(timer.elapsed_ms(), b.steps)
-    adam = [schedule.do_adam(s, b.adam_every) for s in range(first, first + b.steps)]
-    ms_per_step = cycle_mean([sum(p) for p in phases], adam, b.adam_every)
-    floor_ms = flops_per_token * shape.tokens / (b.matmul_tflops * 1e12) * 1e3
-    tokens_per_s = shape.tokens / (ms_per_step * 1e-3)
+    phases = step_times(timer.labels, timer.elapsed_ms(), steps)
+    adam = [schedule.do_adam(s, adam_every) for s in range(timed_first, timed_first + steps)]
+    fpt = batch_flops_per_token(
+        flops_per_token, cfg.model, torch.cat([c.cpu().diff() for c in seen]), plan.windows
+    )
+    # At length 1 a query sees only itself: what is left is the FLOPs outside attention (to 1e-4).
+    attention_pct = 100 * (1 - float(flops_per_token(cfg.model, 1, list(plan.windows))) / fpt)
+    ms_per_step = cycle_mean([sum(p) for p in phases], adam, adam_every)
+    floor_ms = fpt * tokens / (matmul_rate * 1e12) * 1e3
+    tokens_per_s = tokens / (ms_per_step * 1e-3)
     row = {
-        "stage": shape.stage,
-        "tokens": shape.tokens,
-        "docs": int(batches[0].cu_seqlens.numel() - 1),
-        "windows": list(shape.windows),
-        "compiled": b.forward is not b.model,
+        "stage": stage,
+        "tokens": tokens,
+        "micro_batches": accum,
+        "docs_per_step": len(torch.cat([c.cpu().diff() for c in seen])) / steps,
+        "windows": list(plan.windows),
+        "compiled": trainer.compiled,
         "ms_per_step": ms_per_step,
         "ms_per_step_floor": floor_ms,
         "tokens_per_s": tokens_per_s,
-        "mfu_pct": 100.0 * flops_per_token * tokens_per_s / (b.matmul_tflops * 1e12),
-        "forward_ms": cycle_mean([p[0] for p in phases], adam, b.adam_every),
+        "mfu_pct": 100.0 * fpt * tokens_per_s / (matmul_rate * 1e12),
+        "forward_ms": cycle_mean([p[0] for p in phases], adam, adam_every),
         "forward_ms_floor": floor_ms / 3,
-        "backward_ms": cycle_mean([p[1] for p in phases], adam, b.adam_every),
+        "backward_ms": cycle_mean([p[1] for p in phases], adam, adam_every),
         "backward_ms_floor": 2 * floor_ms / 3,
-        "optimizer_ms": cycle_mean([p[2] for p in phases], adam, b.adam_every),
+        "optimizer_ms": cycle_mean([p[2] for p in phases], adam, adam_every),
         "optimizer_adam_step_ms": statistics.median(p[2] for p, a in zip(phases, adam) if a),
-        "wall_ms_per_step": wall_ms / b.steps,
+        "wall_ms_per_step": wall_ms / steps,
         "peak_memory_gib": peak / GIB if cuda else None,
         "resident_memory_gib": resident / GIB if cuda else None,
-        "matmul_tflops": b.matmul_tflops,
-        "flops_per_token": flops_per_token,
-        "attention_flops_pct": attention_flops_pct,
-        "first_step_s": compile_s,
+        "matmul_tflops": matmul_rate,
+        "flops_per_token": fpt,
+        "attention_flops_pct": attention_pct,
+        "first_step_s": first_step_s,
     }
-    if cuda and b.profile:
+    if cuda and profile:
         try:
-            row.update(profile_cycle(run_step, first + b.steps, b.adam_every))
+            row.update(profile_cycle(run_step, timed_first + steps, adam_every))
         except Exception as e:  # a diagnostic (e.g. no profiler permission here): keep the timings, say why
-            print(f"stage {shape.stage}: the kernel breakdown failed: {e}", file=sys.stderr)
+            print(f"stage {stage}: the kernel breakdown failed: {e}", file=sys.stderr)
             row["profile_error"] = str(e)
     return row
 
@@ -452,26 +360,22 @@ def print_table(rows: list[dict]) -> None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = p.add_argument
+    add("overrides", nargs="*", help="Hydra overrides of the training config, e.g. experiment=record_1gpu")
     add("--device", default="cuda", choices=["cuda", "cpu"], help="where to run (default cuda)")
-    add("--tiny", action="store_true", help=f"the tiny model, {TINY_TOKENS} tokens per step (smoke test)")
-    add("--model", default=None, help="configs/model/<name>.yaml (default track1; tiny with --tiny)")
-    add("--optim", default="anvil_adam", help="configs/optim/<name>.yaml (default anvil_adam)")
-    add("--schedule", default="track1", help="configs/schedule/<name>.yaml, where the shapes come from")
+    add("--tiny", action="store_true", help=f"experiment={TINY_EXPERIMENT} (CPU smoke test)")
     add("--stages", type=int, nargs="+", default=[0, 2], help="schedule stages to measure (default 0 2)")
     add("--warmup", type=int, default=None, help="untimed steps per stage; the first compiles (4; cpu 2)")
     add("--steps", type=int, default=None, help="timed steps per stage (20; cpu 2)")
-    add("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile (CUDA default)")
     add("--profile", action=argparse.BooleanOptionalAction, default=True, help="CUDA kernel breakdown")
     add("--matmul-size", type=int, default=None, help="n of the n^3 bf16 matmul rate (8192; cpu 256)")
-    add("--set", nargs="+", default=[], metavar="GROUP.KEY=VALUE", help="config overrides, e.g. model.x=1")
-    add("--seed", type=int, default=0, help="seed of the model init and the synthetic batches")
     add("--out", type=Path, default=None, help="write the JSON result here")
     args = p.parse_args(argv)
     cpu = args.device == "cpu"
-    args.model = args.model or ("tiny" if args.tiny else "track1")
+    experiment = TINY_EXPERIMENT if args.tiny else DEFAULT_EXPERIMENT
+    if not any(o.lstrip("+").startswith("experiment=") for o in args.overrides):
+        args.overrides = [f"experiment={experiment}", *args.overrides]
     args.warmup = 2 if cpu and args.warmup is None else 4 if args.warmup is None else args.warmup
     args.steps = 2 if cpu and args.steps is None else 20 if args.steps is None else args.steps
-    args.compile = not cpu if args.compile is None else args.compile
     args.matmul_size = args.matmul_size or (256 if cpu else 8192)
     if not cpu and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible; use --device cpu --tiny for the smoke test.")
@@ -482,6 +386,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def compose(overrides: list[str], device: str, runs_root: str):
+    """The training config exactly as ``python -m track_1_short.train OVERRIDES`` composes it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from track_1_short.config import register
+
+    register()
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base=None):
+        return hydra_compose(
+            "train",
+            overrides=[*overrides, f"device={device}", f"runs_root={runs_root}", "progress_bar=false"],
+        )
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv if argv is None else argv
     args = parse_args(argv[1:])
@@ -490,59 +409,50 @@ def main(argv: list[str] | None = None) -> dict:
         # Triton kernels on CPU tensors run in Triton's interpreter, which is chosen when a kernel module is
         # imported (as in track_1_short/train.py): so set it before the imports below reach one.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from track_1_short.data import GPT2_BOS_ID
-    from track_1_short.model.gpt import GPT, ModelConfig, flops_per_token
-    from track_1_short.optim.anvil import AnvilAndAdam, OptimConfig
+    from omegaconf import OmegaConf
+
+    from track_1_short import distributed
+    from track_1_short.config import to_object
+    from track_1_short.trainer import Trainer
 
     meta = bench_metadata(argv, device)  # taken first: the date is when the run started
-    configs, sets = REPO_ROOT / "configs", group_overrides(args.set)
-    model_cfg = load_structured(ModelConfig, configs / "model" / f"{args.model}.yaml", sets["model"])
-    optim_cfg = load_structured(OptimConfig, configs / "optim" / f"{args.optim}.yaml", sets["optim"])
-    sched = load_structured(
-        schedule.ScheduleConfig, configs / "schedule" / f"{args.schedule}.yaml", sets["schedule"]
-    )
-    shapes = stage_shapes(sched, args.stages, args.tiny)
-    if args.warmup < optim_cfg.adam_every:
-        raise ValueError(
-            f"--warmup {args.warmup} must cover an Adam cycle (optim.adam_every={optim_cfg.adam_every}): "
-            "both kinds of step compile or load kernels on their first call."
-        )
-
-    rate = matmul_tflops(args.matmul_size, device)
-    print(f"bf16 matmul {args.matmul_size}^3: {rate:.4g} TFLOP/s on {meta['device']}", flush=True)
-
-    torch.manual_seed(args.seed)
-    model = GPT(model_cfg).to(device)
-    model.train()
-    table = model.param_table()
-    opt = AnvilAndAdam(
-        list(model.named_parameters()), table, model.scatter_order(), model.work_order(), optim_cfg
-    )
-    forward = torch.compile(model, dynamic=False) if args.compile else model
-    b = Bench(
-        model, forward, opt, sched, optim_cfg.adam_every, device, rate, args.warmup, args.steps, args.profile
-    )
-
-    rows = []
-    for shape in shapes:
-        batches = synthetic_batches(shape, model_cfg.vocab_size, GPT2_BOS_ID, device, args.seed + shape.stage)
-        fpt = batch_flops_per_token(flops_per_token, model_cfg, batches[0].cu_seqlens.cpu(), shape.windows)
-        # At length 1 a query sees only itself: what is left is the FLOPs outside attention (to 1e-4).
-        attention_pct = 100 * (1 - float(flops_per_token(model_cfg, 1, list(shape.windows))) / fpt)
-        row = measure_stage(b, shape, batches, fpt, attention_pct)
-        rows.append(row)
-        print(stage_note(row), flush=True)
+    with tempfile.TemporaryDirectory() as runs_root:
+        cfg = compose(args.overrides, args.device, runs_root)
+        tcfg = to_object(cfg)
+        n_stages = len(tcfg.schedule.stages)
+        for i in args.stages:
+            if not 0 <= i < n_stages:
+                raise ValueError(f"--stages: stage {i} does not exist; the schedule has {n_stages} stages.")
+        if args.warmup < tcfg.optim.adam_every:
+            raise ValueError(
+                f"--warmup {args.warmup} must cover an Adam cycle "
+                f"(optim.adam_every={tcfg.optim.adam_every}): both kinds of step compile or load kernels on "
+                "their first call."
+            )
+        rate = matmul_tflops(args.matmul_size, device)
+        print(f"bf16 matmul {args.matmul_size}^3: {rate:.4g} TFLOP/s on {meta['device']}", flush=True)
+        run_device = distributed.init(args.device)
+        trainer = Trainer(tcfg, OmegaConf.to_container(cfg, resolve=True), run_device)
+        try:
+            rows = []
+            for stage in args.stages:
+                row = measure_stage(trainer, stage, args.warmup, args.steps, rate, args.profile)
+                rows.append(row)
+                print(stage_note(row), flush=True)
+        finally:
+            trainer.loader.close()
+            trainer.log.close()
     print_table(rows)
 
     payload = {
         **meta,
-        "title": f"Training step of the {args.model} model, world size 1",
+        "title": f"Trainer.train_step, {' '.join(args.overrides)}, world size 1",
+        "overrides": args.overrides,
         "rows": rows,
         "notes": [stage_note(r) for r in rows]
         + [
             "ms_per_step: the Adam cycle's mean of per-kind medians. Floors: the FLOPs (flops_per_token x "
             "tokens) at the matmul rate measured in this run; forward and backward: 1/3 and 2/3 of that.",
-            "Target (issue 7): at least 40% MFU in bf16 on one H200.",
         ],
     }
     if args.out is not None:

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-EVENTS = ("start", "train", "val", "end")
+EVENTS = ("start", "phase", "train", "val", "end")
 
 _PROGRESS = re.compile(
     r"^step:(?P<step>\d+)/(?P<total>\d+)"

@@ -22,6 +22,7 @@ import copy
 import json
 import math
 import secrets
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from track_1_short import checkpoint, distributed, schedule
+from track_1_short import checkpoint, compile_watch, distributed, schedule
 from track_1_short.checkpoint import CheckpointError, NonFiniteError
 from track_1_short.config import ConfigError, TrainConfig, accumulation_steps, check_run, to_object
 from track_1_short.guards import Guards
@@ -97,6 +98,42 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def fixed_boundaries(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """cu_seqlens [n_docs + 1] padded with T to T + 1 entries (empty documents at the end).
+
+    A packed batch holds at most T documents, so T + 1 entries always suffice: every forward of T tokens then
+    sees the same shape whatever its documents, and a compiled model makes one graph per T instead of one per
+    document count. The padding is masked by construction: an empty document owns no token.
+    """
+    pad = num_tokens + 1 - cu_seqlens.numel()
+    if pad < 0:
+        raise ValueError(f"cu_seqlens has {cu_seqlens.numel()} entries, more than T + 1 = {num_tokens + 1}.")
+    return torch.nn.functional.pad(cu_seqlens, (0, pad), value=num_tokens) if pad else cu_seqlens
+
+
+class Phases:
+    """Says what the run is doing and how long each phase took: stderr on rank 0 (tqdm-safe), and, once
+    the run directory exists, log.txt and a ``phase`` event in events.jsonl."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.log: RunLog | None = None
+        self.done: dict[str, float] = {}
+
+    def say(self, line: str) -> None:
+        if self.enabled:
+            tqdm.write(line, file=sys.stderr)
+        if self.log is not None:
+            self.log.text(line)
+
+    def finished(self, name: str, seconds: float, **fields: Any) -> None:
+        self.done[name] = seconds
+        extra = "".join(f", {k.replace('_', ' ')} {v}" for k, v in fields.items())
+        self.say(f"{name}: {seconds:.1f} s{extra}")
+        if self.log is not None:
+            self.log.event("phase", name=name, seconds=seconds, **fields)
+
+
 class Trainer:
     """Owns the built objects of one run and its phases."""
 
@@ -110,11 +147,16 @@ class Trainer:
         self.rank, self.world = distributed.rank(), distributed.world_size()
         check_run(cfg, self.world)
         self.total_steps = schedule.total_steps(cfg.schedule)
+        self.phases = Phases(distributed.is_main())
 
         # Data first: a missing corpus is the most likely user error; report it before any heavy work.
         # For the synthetic corpus this builds it on first use (once; later runs reuse it).
+        t = time.perf_counter()
+        self.phases.say(f"data: {cfg.data.kind} ({cfg.data.dir})")
         self.paths = _data_paths(cfg.data)
+        data_s = time.perf_counter() - t
 
+        t = time.perf_counter()
         torch.manual_seed(cfg.seed)
         self.model = GPT(cfg.model, device=device)
         with torch.no_grad():
@@ -128,8 +170,10 @@ class Trainer:
             cfg.optim,
         )
         self.forward = self.model
-        if device.type == "cuda" and cfg.compile:
+        self.compiled = device.type == "cuda" and cfg.compile
+        if self.compiled:
             self.forward = torch.compile(self.model, dynamic=False)
+        model_s = time.perf_counter() - t
         self.loader = data.TrainLoader(
             self.paths["train"],
             self.rank,
@@ -147,6 +191,11 @@ class Trainer:
         self.log.write_env({**environment(), "world_size": self.world, "device": str(device)})
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.resolved = resolved
+        self.phases.log = self.log
+        self.phases.finished("data", data_s, source=cfg.data.kind)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        self.phases.finished("build", model_s, parameters=f"{n_params:,}", compiled=self.compiled)
+        self.graphs_after_warmup: int | None = None
         self.guards = Guards(
             cfg.guards,
             cfg.fault_injection,
@@ -223,8 +272,12 @@ class Trainer:
         self.tokens_seen = int(payload["meta"]["tokens_seen"])
 
     # -- one step --
-    def train_step(self, step: int) -> torch.Tensor:
-        """Run step ``step``; returns this rank's loss per token (a 0-d tensor, not synced)."""
+    def train_step(self, step: int, marks=None) -> torch.Tensor:
+        """Run step ``step``; returns this rank's loss per token (a 0-d tensor, not synced).
+
+        The one step the trainer runs and perf/bench_train_step.py times. ``marks``: called with "forward"
+        and "backward" after each microbatch's forward and backward (the bench's timer), or None.
+        """
         plan = schedule.plan(self.cfg.schedule, step, self.cfg.optim.adam_every)
         if plan.split_embed:
             self.model.split_embed()
@@ -232,15 +285,25 @@ class Trainer:
         self.opt.set_schedule(plan.lr_multiplier, plan.rail_beta, step)
         accum = accumulation_steps(plan.batch_tokens, self.world, self.cfg.micro_batch_tokens)
         micro = plan.batch_tokens // self.world // accum
+        # Outside the compiled forward, so that its graph never holds a rotary update or a new MTP constant:
+        # the rotary state follows the windows here (a no-op within a stage), and the MTP weights, which ramp
+        # every step, enter as a tensor.
+        self.model.follow_windows(plan.windows)
+        mtp = torch.tensor(plan.mtp_weights, dtype=torch.float32).to(self.device, non_blocking=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for k in range(accum):
             if plan.do_adam and k == accum - 1:
                 # optim.replicated_impl=device: the reduce starts from this, the last, backward
                 self.opt.arm_replicated_reduce()
             b = self.loader.next_batch(micro, plan.max_doc_len)
-            loss = self.forward(b.inputs, b.targets, b.cu_seqlens, plan.windows, list(plan.mtp_weights))
+            cu = fixed_boundaries(b.cu_seqlens, micro)
+            loss = self.forward(b.inputs, b.targets, cu, plan.windows, mtp)
+            if marks is not None:
+                marks("forward")
             # Per-token mean over this rank's step; the optimizer's reductions average the ranks.
             (loss / (micro * accum)).backward()
+            if marks is not None:
+                marks("backward")
             loss_sum += loss.detach().float()
         if self.guards.grads_ok(step):  # NaN/inf gradient: stop, or skip the update on every rank
             self.opt.step(plan.do_adam)
@@ -260,16 +323,36 @@ class Trainer:
         # The split steps are included: restoring the model's buffers re-ties it (embed_is_split), and the
         # optimizer's state_dict carries its own tied flag.
         steps = schedule.warmup_steps(self.cfg.schedule, self.cfg.optim.adam_every)
-        for s in steps:
+        t = time.perf_counter()
+        self.phases.say(
+            f"warmup: {len(steps)} representative steps off the clock"
+            + (" (the first of each geometry compiles)" if self.compiled else "")
+        )
+        for k, s in enumerate(steps):
+            t_step = time.perf_counter()
             self.train_step(s)
+            _sync(self.device)
+            self.phases.say(
+                f"  warmup step {k + 1}/{len(steps)} (schedule step {s}): {time.perf_counter() - t_step:.1f} s, "
+                f"graphs so far {compile_watch.graphs_made()}"
+            )
+        # One validation forward, so that its graph (no grad, validation windows) is made here too.
+        t_val = time.perf_counter()
+        self.validate(max_batches=1)
+        self.phases.say(f"  warmup validation forward: {time.perf_counter() - t_val:.1f} s")
         _sync(self.device)
         self._restore_(initial)
         self.tokens_seen = tokens_seen
         self.warmed_steps = steps
+        self.graphs_after_warmup = compile_watch.graphs_made()
+        self.phases.finished(
+            "warmup", time.perf_counter() - t, steps=len(steps), graphs=self.graphs_after_warmup
+        )
         return steps
 
-    def validate(self) -> float:
-        """Mean next-token CE over the validation tokens, summed over ranks (no MTP, val windows)."""
+    def validate(self, max_batches: int | None = None) -> float:
+        """Mean next-token CE over the validation tokens, summed over ranks (no MTP, val windows);
+        ``max_batches``: stop after that many batches (the warmup's one forward)."""
         from track_1_short import data
 
         windows = schedule.val_windows(self.cfg.schedule)
@@ -287,8 +370,11 @@ class Trainer:
                 bos_id=d.bos_id,
                 vocab_size=d.vocab_size,
             )
-            for b in batches:
-                totals[0] += self.forward(b.inputs, b.targets, b.cu_seqlens, windows, None).double()
+            for i, b in enumerate(batches):
+                if max_batches is not None and i >= max_batches:
+                    break
+                cu = fixed_boundaries(b.cu_seqlens, b.inputs.numel())
+                totals[0] += self.forward(b.inputs, b.targets, cu, windows, None).double()
                 totals[1] += b.targets.numel()
         distributed.all_reduce_sum(totals)
         return float(totals[0] / totals[1])
@@ -378,8 +464,19 @@ class Trainer:
             raise
         else:
             self.log.end(
-                n, n, "finished", val_loss=val_loss, train_time_ms=self.train_time_ms, **self._memory()
+                n,
+                n,
+                "finished",
+                val_loss=val_loss,
+                train_time_ms=self.train_time_ms,
+                **self._compile_stats(),
+                **self._memory(),
             )
+            stats = self._compile_stats()
+            if stats:
+                self.phases.say(
+                    f"compile: {stats['graphs']} graphs, {stats['timed_loop_graphs']} made in the timed loop"
+                )
         finally:
             bar.close()
             self.loader.close()
@@ -397,6 +494,13 @@ class Trainer:
             self.log.text(f"checkpoint {path}")
         distributed.barrier()
         return path
+
+    def _compile_stats(self) -> dict:
+        """Graphs made in all, and after the warmup (each one a recompile the warmup missed)."""
+        if not self.compiled or self.graphs_after_warmup is None:
+            return {}
+        made = compile_watch.graphs_made()
+        return {"graphs": made, "timed_loop_graphs": made - self.graphs_after_warmup}
 
     def _memory(self) -> dict:
         if self.device.type != "cuda":

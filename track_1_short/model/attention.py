@@ -107,7 +107,7 @@ def flex_attention_varlen(
     The sequence is padded to a multiple of ``block`` with a document id of -1 (pads see only pads) and the
     pad rows are dropped from the output.
     """
-    from torch.nn.attention.flex_attention import BlockMask
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     s = q.size(0)
     pad = -s % block
@@ -125,7 +125,9 @@ def flex_attention_varlen(
     )
     # [S, h, d] -> [1, h, S, d], FlexAttention's layout; q carries the softmax scale already.
     qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
-    if q.is_cuda:
+    if q.is_cuda and torch.compiler.is_compiling():
+        y = flex_attention(qh, kh, vh, block_mask=block_mask, scale=1.0)  # lowered into the caller's graph
+    elif q.is_cuda:
         y = _flex_function("cuda")(qh, kh, vh, block_mask=block_mask, scale=1.0)
     else:
         with warnings.catch_warnings():  # eager is the CPU's only mode; the advice to compile does not apply
@@ -134,20 +136,16 @@ def flex_attention_varlen(
     return y[0].transpose(0, 1)[:s]
 
 
-# Inside a compiled model, Inductor (torch 2.11) fails to lower flex_attention when its inputs are views of
-# buffers it computed in the same graph ("convert FlexibleLayout to FixedLayout first", seen on an H200), so
-# the compiled model stops tracing here and calls the separately compiled FlexAttention, whose inputs are
-# then materialised tensors. recursive=False keeps that inner compiled call compiled.
-_flex_attention_graph_break = torch.compiler.disable(flex_attention_varlen, recursive=False)
-
-
 def attend(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, window: int, block: int, impl: str) -> Tensor:
-    """Dispatch on ``impl`` ("auto": flex on CUDA, reference elsewhere)."""
+    """Dispatch on ``impl`` ("auto": flex on CUDA, reference elsewhere).
+
+    Inside a compiled model FlexAttention is traced into the model's graph (Inductor lowers it with the block
+    mask built in the same graph), so a forward is one graph per batch geometry: new documents change only
+    tensor values, never the graph.
+    """
     if impl == "auto":
         impl = "flex" if q.is_cuda else "reference"
     if impl == "flex":
-        if q.is_cuda and torch.compiler.is_compiling():
-            return _flex_attention_graph_break(q, k, v, doc_ids, window, block)
         return flex_attention_varlen(q, k, v, doc_ids, window, block)
     return reference_attention(q, k, v, doc_ids, window, block)
 

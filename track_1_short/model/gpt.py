@@ -874,16 +874,19 @@ class GPT(nn.Module):
         targets: Tensor,
         cu_seqlens: Tensor,
         windows,
-        mtp_weights: list[float] | None = None,
+        mtp_weights: list[float] | Tensor | None = None,
     ) -> Tensor:
         """Summed multi-token softcapped CE over the T tokens (fp32 0-D); mtp_weights None = [1.0] (plain CE).
 
-        inputs int32/int64 [T] of whole documents, targets int64 [T], cu_seqlens int32 [n_docs + 1],
-        windows (short, long) in blocks of block_size tokens, mtp_weights: weight of predicting t+1, t+2, ...
+        inputs int32/int64 [T] of whole documents, targets int64 [T], cu_seqlens int32 [n_docs + 1] (it may
+        end in repeated T entries: empty documents, so that its length stays fixed), windows (short, long) in
+        blocks of block_size tokens, mtp_weights: weight of predicting t+1, t+2, ... (a list, or an fp32 [K]
+        tensor on the model's device: a compiled model then takes new weights without a new graph).
         """
-        mtp = [1.0] if mtp_weights is None else [float(w) for w in mtp_weights]
+        mtp = [1.0] if mtp_weights is None else mtp_weights
         if self.cfg.check_inputs:
-            self.check_inputs(inputs, targets, cu_seqlens, windows, mtp)
+            listed = mtp.tolist() if isinstance(mtp, Tensor) else [float(w) for w in mtp]
+            self.check_inputs(inputs, targets, cu_seqlens, windows, listed)
         if self.training and torch.is_grad_enabled():  # a training step, not an evaluation
             self.follow_windows(windows)
         hidden = self.hidden(inputs, cu_seqlens, windows)

@@ -110,101 +110,131 @@ def softcap(logits: Tensor, cap: float, shift: float, temperature: float) -> Ten
     return cap * torch.sigmoid((logits + shift) / temperature)
 
 
-def mtp_row_weights(mtp_weights: list[float], num_tokens: int, device) -> tuple[Tensor, Tensor]:
+def mtp_row_weights(mtp_weights: Tensor, num_tokens: int) -> tuple[Tensor, Tensor]:
     """For the multi-token targets: (valid [K, T] bool, total weight per row [T] fp32).
 
-    Row t is scored against targets[t + k] with weight mtp_weights[k] while t + k < T (upstream's bound).
+    mtp_weights fp32 [K]. Row t is scored against targets[t + k] with weight mtp_weights[k] while t + k < T
+    (upstream's bound).
     """
-    k = len(mtp_weights)
+    k, device = mtp_weights.numel(), mtp_weights.device
     t = torch.arange(num_tokens, device=device)
     valid = (t[None, :] + torch.arange(k, device=device)[:, None]) < num_tokens  # [K, T]
-    w = torch.tensor(mtp_weights, dtype=torch.float32, device=device)
-    return valid, (valid.float() * w[:, None]).sum(0)
+    return valid, (valid.float() * mtp_weights.float()[:, None]).sum(0)
 
 
-class _SoftcappedCrossEntropySum(torch.autograd.Function):
-    """Sum over rows and targets of w_k * CE(softcap(x @ W)[t], targets[t + k]), computed in row chunks.
+def as_mtp_tensor(mtp_weights, device) -> Tensor:
+    """The MTP weights as an fp32 [K] tensor on ``device`` (a list, a tuple or a tensor)."""
+    if isinstance(mtp_weights, Tensor):
+        return mtp_weights.to(device=device, dtype=torch.float32)
+    return torch.tensor([float(w) for w in mtp_weights], dtype=torch.float32, device=device)
 
-    Why a Function: the [T, V] logits (V = 50304) dominate the tiny model's cost and memory. Each chunk of
-    rows is turned into its loss and, when a gradient is wanted, straight away into its input gradient and its
-    share of the weight gradient, so no [T, V] tensor outlives its chunk (upstream's fused CE does the same on
-    the GPU), and the [rows, V] buffers are reused from chunk to chunk. The loss is a sum, so backward only
-    scales the stored gradients by the incoming scalar. On the 2-core dev CPU (one thread, T = 2048, tiny
-    model, bf16) this loss takes ~0.55 s of the ~0.8 s forward + backward (plain autograd ops: ~3.5 s).
+
+@torch.library.custom_op("track_1_short::softcapped_ce_sum", mutates_args=())
+def _softcapped_ce_sum(
+    x: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    mtp_weights: Tensor,
+    cap: float,
+    shift: float,
+    temperature: float,
+    chunk_rows: int,
+    need_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss fp32 0-D, dloss/dx like x, dloss/dweight like weight); the gradients are empty without need_grad.
+
+    Each chunk of rows is turned into its loss and, when a gradient is wanted, straight away into its input
+    gradient and its share of the weight gradient, so no [T, V] tensor outlives its chunk (upstream's fused
+    CE does the same on the GPU), and the [rows, V] buffers are reused from chunk to chunk. On the 2-core dev
+    CPU (one thread, T = 2048, tiny model, bf16) this loss takes ~0.55 s of the ~0.8 s forward + backward
+    (plain autograd ops: ~3.5 s).
     """
+    # x [T, D] (compute dtype), weight [D, V], targets int64 [T], mtp_weights fp32 [K].
+    num_tokens, k = x.size(0), mtp_weights.numel()
+    w_k = mtp_weights.float()
+    valid, row_weight = mtp_row_weights(w_k, num_tokens)
+    # targets[t + k] for every k, clamped where invalid (their weight is zeroed instead): [K, T]
+    idx = (
+        torch.arange(num_tokens, device=x.device)[None, :] + torch.arange(k, device=x.device)[:, None]
+    ).clamp(max=num_tokens - 1)
+    tgt = targets[idx]
+    weight_c = weight.to(x.dtype)
+    bias = torch.full((1, weight.size(1)), shift, dtype=x.dtype, device=x.device)
+    neg_cap = torch.tensor(-cap, dtype=torch.float32, device=x.device)
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    # One set of [rows, V] buffers reused by every chunk: a fresh block per chunk would be a fresh mmap on the
+    # CPU, and its page faults cost as much as the arithmetic.
+    rows = min(chunk_rows, num_tokens)
+    logit_buf = torch.empty((rows, weight.size(1)), dtype=x.dtype, device=x.device)
+    sig_buf = logit_buf if x.dtype == torch.float32 else torch.empty_like(logit_buf, dtype=torch.float32)
+    exp_buf = torch.empty_like(sig_buf)
+    grad_x = torch.empty_like(x) if need_grad else x.new_empty(0)
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_grad else None
+    if need_grad:
+        grad_buf = torch.empty_like(logit_buf)
+        grad_w_part = None if x.dtype == torch.float32 else torch.empty_like(weight_c)
+    for lo in range(0, num_tokens, chunk_rows):
+        hi = min(lo + chunk_rows, num_tokens)
+        xc = x[lo:hi]
+        # s = sigmoid((x W + shift) / temperature), the bias and scale fused into the GEMM: [rows, V] fp32
+        inv_t = 1.0 / temperature
+        u = torch.addmm(bias, xc, weight_c, beta=inv_t, alpha=inv_t, out=logit_buf[: hi - lo])
+        s = sig_buf[: hi - lo]
+        if sig_buf is not logit_buf:
+            s.copy_(u)
+        s.sigmoid_()
+        # z = cap * s lies in (0, cap]: cap is a safe fixed max for the log-sum-exp (upstream's kernel)
+        e = torch.add(neg_cap, s, alpha=cap, out=exp_buf[: hi - lo]).exp_()  # exp(z - cap)
+        sum_e = e.sum(-1)  # [rows]
+        lse = cap + sum_e.log()  # [rows]
+        t_c, v_c = tgt[:, lo:hi].T, valid[:, lo:hi].T.float()  # [rows, K]
+        s_t = s.gather(1, t_c)  # [rows, K]
+        total += ((lse[:, None] - cap * s_t) * v_c * w_k).sum()
+        if not need_grad:
+            continue
+        # dLoss/dz = row_weight * softmax(z) - sum_k w_k onehot(target_k); dz/dlogit = cap/temp * s(1-s).
+        # Built as q = (row_weight * cap/temp / sum_e) * e * s, minus cap/temp * w_k * s_t at the targets,
+        # then g = q (1 - s) = q - q s, rounded once into the compute dtype.
+        q = e.mul_(s).mul_((row_weight[lo:hi] * (cap / temperature) / sum_e)[:, None])
+        q.scatter_add_(1, t_c, -(cap / temperature) * w_k * v_c * s_t)
+        g = torch.addcmul(q, q, s, value=-1.0, out=grad_buf[: hi - lo])
+        torch.mm(g, weight_c.T, out=grad_x[lo:hi])
+        if grad_w_part is None:
+            grad_w.addmm_(xc.T, g)
+        else:
+            grad_w.add_(torch.mm(xc.T, g, out=grad_w_part))
+    grad_w = grad_w.to(weight.dtype) if need_grad else weight.new_empty(0)
+    return total, grad_x, grad_w
 
-    @staticmethod
-    def forward(ctx, x, weight, targets, mtp_weights, cap, shift, temperature, chunk_rows, need_grad):
-        # x [T, D] (compute dtype), weight [D, V], targets int64 [T].
-        num_tokens, k = x.size(0), len(mtp_weights)
-        w_k = torch.tensor(mtp_weights, dtype=torch.float32, device=x.device)
-        valid, row_weight = mtp_row_weights(mtp_weights, num_tokens, x.device)
-        # targets[t + k] for every k, clamped where invalid (their weight is zeroed instead): [K, T]
-        idx = (
-            torch.arange(num_tokens, device=x.device)[None, :] + torch.arange(k, device=x.device)[:, None]
-        ).clamp(max=num_tokens - 1)
-        tgt = targets[idx]
-        weight_c = weight.to(x.dtype)
-        bias = torch.full((1, weight.size(1)), shift, dtype=x.dtype, device=x.device)
-        neg_cap = torch.tensor(-cap, dtype=torch.float32, device=x.device)
-        total = torch.zeros((), dtype=torch.float32, device=x.device)
-        # One set of [rows, V] buffers reused by every chunk: a fresh block per chunk would be a fresh mmap on
-        # the CPU, and its page faults cost as much as the arithmetic.
-        rows = min(chunk_rows, num_tokens)
-        logit_buf = torch.empty((rows, weight.size(1)), dtype=x.dtype, device=x.device)
-        sig_buf = logit_buf if x.dtype == torch.float32 else torch.empty_like(logit_buf, dtype=torch.float32)
-        exp_buf = torch.empty_like(sig_buf)
-        if need_grad:
-            grad_x = torch.empty_like(x)
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
-            grad_buf = torch.empty_like(logit_buf)
-            grad_w_part = None if x.dtype == torch.float32 else torch.empty_like(weight_c)
-        for lo in range(0, num_tokens, chunk_rows):
-            hi = min(lo + chunk_rows, num_tokens)
-            xc = x[lo:hi]
-            # s = sigmoid((x W + shift) / temperature), the bias and scale fused into the GEMM: [rows, V] fp32
-            inv_t = 1.0 / temperature
-            u = torch.addmm(bias, xc, weight_c, beta=inv_t, alpha=inv_t, out=logit_buf[: hi - lo])
-            s = sig_buf[: hi - lo]
-            if sig_buf is not logit_buf:
-                s.copy_(u)
-            s.sigmoid_()
-            # z = cap * s lies in (0, cap]: cap is a safe fixed max for the log-sum-exp (upstream's kernel)
-            e = torch.add(neg_cap, s, alpha=cap, out=exp_buf[: hi - lo]).exp_()  # exp(z - cap)
-            sum_e = e.sum(-1)  # [rows]
-            lse = cap + sum_e.log()  # [rows]
-            t_c, v_c = tgt[:, lo:hi].T, valid[:, lo:hi].T.float()  # [rows, K]
-            s_t = s.gather(1, t_c)  # [rows, K]
-            total += ((lse[:, None] - cap * s_t) * v_c * w_k).sum()
-            if not need_grad:
-                continue
-            # dLoss/dz = row_weight * softmax(z) - sum_k w_k onehot(target_k); dz/dlogit = cap/temp * s(1-s).
-            # Built as q = (row_weight * cap/temp / sum_e) * e * s, minus cap/temp * w_k * s_t at the targets,
-            # then g = q (1 - s) = q - q s, rounded once into the compute dtype.
-            q = e.mul_(s).mul_((row_weight[lo:hi] * (cap / temperature) / sum_e)[:, None])
-            q.scatter_add_(1, t_c, -(cap / temperature) * w_k * v_c * s_t)
-            g = torch.addcmul(q, q, s, value=-1.0, out=grad_buf[: hi - lo])
-            torch.mm(g, weight_c.T, out=grad_x[lo:hi])
-            if grad_w_part is None:
-                grad_w.addmm_(xc.T, g)
-            else:
-                grad_w.add_(torch.mm(xc.T, g, out=grad_w_part))
-        if need_grad:
-            ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
-        return total
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_x, grad_w = ctx.saved_tensors
-        g = grad_out.to(torch.float32)
-        return (grad_x * g.to(grad_x.dtype), grad_w * g.to(grad_w.dtype)) + (None,) * 7
+@_softcapped_ce_sum.register_fake
+def _softcapped_ce_sum_fake(x, weight, targets, mtp_weights, cap, shift, temperature, chunk_rows, need_grad):
+    total = x.new_empty((), dtype=torch.float32)
+    if not need_grad:
+        return total, x.new_empty(0), weight.new_empty(0)
+    return total, torch.empty_like(x), torch.empty_like(weight)
+
+
+def _softcapped_ce_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[1], output[2])
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _softcapped_ce_backward(ctx, grad_out, _grad_x_out, _grad_w_out):
+    # The loss is a sum: backward only scales the gradients the forward stored by the incoming scalar.
+    grad_x, grad_w = ctx.saved_tensors
+    g = grad_out.to(torch.float32)
+    return (grad_x * g.to(grad_x.dtype), grad_w * g.to(grad_w.dtype)) + (None,) * 7
+
+
+_softcapped_ce_sum.register_autograd(_softcapped_ce_backward, setup_context=_softcapped_ce_setup)
 
 
 def softcapped_cross_entropy_sum(
     x: Tensor,
     weight: Tensor,
     targets: Tensor,
-    mtp_weights: list[float],
+    mtp_weights,
     cap: float,
     shift: float,
     temperature: float,
@@ -212,10 +242,26 @@ def softcapped_cross_entropy_sum(
 ) -> Tensor:
     """Summed multi-token softcapped CE of hidden states x [T, D] against lm_head ``weight`` [D, V]; fp32 0-D.
 
-    Row t is scored against targets[t + k] with weight mtp_weights[k] for every t + k < T; the softmax runs
-    over all V (padded) columns, as upstream's loss does.
+    Row t is scored against targets[t + k] with weight mtp_weights[k] (a list or an fp32 [K] tensor) for every
+    t + k < T; the softmax runs over all V (padded) columns, as upstream's loss does.
+
+    A custom op (opaque to torch.compile) rather than an autograd.Function: the chunked loop computes its
+    gradients in the forward into reused buffers with ``out=`` and in-place ops, and where Dynamo traced that
+    Function on CUDA (torch 2.11, aot_eager and inductor alike) the gradients came out as zeros, so a compiled
+    model never learned (tests/model/test_compiled_loss.py, GPU). As an op it runs the same eager kernels
+    inside any graph; the MTP weights arrive as a tensor, so a weight that changes every step is data, not a
+    new graph.
     """
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return _SoftcappedCrossEntropySum.apply(
-        x, weight, targets, list(mtp_weights), cap, shift, temperature, chunk_rows, need_grad
+    loss, _, _ = _softcapped_ce_sum(
+        x,
+        weight,
+        targets,
+        as_mtp_tensor(mtp_weights, x.device),
+        cap,
+        shift,
+        temperature,
+        chunk_rows,
+        need_grad,
     )
+    return loss
