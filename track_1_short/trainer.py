@@ -173,6 +173,11 @@ class Trainer:
         self.compiled = device.type == "cuda" and cfg.compile
         if self.compiled:
             self.forward = torch.compile(self.model, dynamic=False)
+        # Validation runs the model uncompiled (FlexAttention still compiled on its own): Inductor (torch 2.11)
+        # fails to lower FlexAttention in a no-grad graph whose mask reads document ids computed in that graph
+        # ("convert FlexibleLayout to FixedLayout first", seen on an H200 for the paired layers), and a few
+        # validation forwards a run do not pay for a compile anyway.
+        self.val_forward = self.model
         model_s = time.perf_counter() - t
         self.loader = data.TrainLoader(
             self.paths["train"],
@@ -374,7 +379,7 @@ class Trainer:
                 if max_batches is not None and i >= max_batches:
                     break
                 cu = fixed_boundaries(b.cu_seqlens, b.inputs.numel())
-                totals[0] += self.forward(b.inputs, b.targets, cu, windows, None).double()
+                totals[0] += self.val_forward(b.inputs, b.targets, cu, windows, None).double()
                 totals[1] += b.targets.numel()
         distributed.all_reduce_sum(totals)
         return float(totals[0] / totals[1])
