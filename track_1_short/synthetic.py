@@ -32,11 +32,11 @@ renamed when complete, so an interrupted build is never reused) and reused after
 from __future__ import annotations
 
 import argparse
-import bisect
 import dataclasses
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import sys
@@ -48,10 +48,17 @@ import numpy as np
 
 from track_1_short.data import DataConfig, SyntheticConfig, write_shard
 
-GENERATOR_VERSION = 1  # bump when the sampling code changes, so that cached corpora are rebuilt
+GENERATOR_VERSION = 2  # bump when the sampling code changes, so that cached corpora are rebuilt
 SIDECAR_NAME = "synthetic.json"
 PREFIX = "synthetic"
-_UNIFORM_BLOCK = 1 << 16  # uniforms drawn from the generator at a time (only speed depends on it)
+# The sampler's shape. These fix the byte stream (changing one needs a GENERATOR_VERSION bump) but not its
+# law, and set speed and memory only; none is a property of the corpus a user would tune.
+GROUP_TOKENS = 1 << 21  # tokens per group: one seed child each, the unit of work of a build process
+MAX_SLOTS = 512  # documents sampled side by side (each step's ~100 NumPy calls are shared by this many)
+SLOT_TOKENS = 2048  # tokens per slot at least: a small stream uses fewer slots, so starts few unkept documents
+_COUNT_ENTRIES = 1 << 23  # cap on copy lengths x slots x n_words, the int32 first-word counts (32 MiB)
+_DRAW_STEPS = 64
+_RESOLVE_BATCH = 1 << 21  # candidate positions scanned at a time when resolving ambiguous copies (memory only)  # steps of uniforms drawn from the generator at a time
 
 
 def seeds(seed: int) -> dict[str, np.random.SeedSequence]:
@@ -133,135 +140,298 @@ class Stream:
     in_copy: np.ndarray  # bool [n], the token was copied from earlier in its document
 
 
-def _copy_costs(
-    prefix: np.ndarray, sources: np.ndarray, chosen: int, length: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per copied token: -log P and H, given that the source is uniform over ``sources``.
+def _xlogx(c: np.ndarray) -> np.ndarray:
+    """c * log(c) of counts, 0 at c = 0."""
+    x = np.asarray(c, dtype=np.float64)
+    return x * np.log(np.maximum(x, 1.0))
 
-    prefix: word index per position of the document so far; sources: candidate start positions [n];
-    chosen: index into sources. Given the first i copied tokens the source is uniform over the candidates that
-    agree with them, so P(token i) = (#agreeing through i) / (#agreeing through i - 1).
+
+_FIRST, _FREE, _COPY, _IDLE = 0, 1, 2, 3  # what a slot emits next: the first word, a free position, a copied word
+_BOS_CODE = -1  # word codes in the slot buffers: word index >= 0, -1 BOS, -2 - i the marker of copy_lengths[i]
+
+
+def _slot_count(src: Source, n_tokens: int) -> int:
+    """Documents sampled side by side: enough to share each step's NumPy calls, few enough that a small
+    stream does not start far more documents than it keeps, and the first-word counts stay small."""
+    by_memory = _COUNT_ENTRIES // (len(src.cfg.copy_lengths) * src.cfg.n_words)
+    return int(max(1, min(MAX_SLOTS, by_memory, n_tokens // SLOT_TOKENS)))
+
+
+def _grow(a: np.ndarray, cap: int) -> np.ndarray:
+    out = np.zeros((cap, a.shape[1]), dtype=a.dtype)
+    out[: a.shape[0]] = a
+    return out
+
+
+def _ragged(lo: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(which range, value) for the concatenated integer ranges [lo[i], lo[i] + n[i])."""
+    which = np.repeat(np.arange(n.size), n)
+    return which, np.arange(which.size) - np.repeat(np.cumsum(n) - n - lo, n)
+
+
+def sample_group(src: Source, seed, n_tokens: int, on_tokens=None) -> tuple[Stream, float, float]:
+    """Whole documents from ``seed`` (what np.random.default_rng takes) until they hold >= ``n_tokens``.
+
+    Returns (stream, H, -log P of the BOS that would follow the last document). The stream's first token is a
+    BOS whose prediction is NaN: it belongs to whatever precedes the group. ``on_tokens(k)`` is told, now and
+    then, that k more of the ``n_tokens`` were sampled.
+
+    S slots each sample one document at a time, one token per step for all slots at once, so every active
+    slot writes the same position (the buffers are [position, slot]: a step writes one row). A slot whose
+    document ends starts the next document (numbered in order of starting) while fewer than ``n_tokens``
+    tokens have been emitted. The kept documents are those numbered up to the first at which the lengths
+    reach ``n_tokens``: a stopping time of an i.i.d. sequence, so they are distributed as serial sampling's.
+    A copy event finds its sources from the stored run lengths (a window is a source if the marker-free run
+    at its last word covers it) and their first-word law on the spot; the later copied tokens' laws need the
+    sources that agree with the copy so far, which is usually just one (nothing to do): the rest are resolved
+    together after the loop.
     """
-    spans = prefix[sources[:, None] + np.arange(length)]  # [n, length] word indices
-    agree = np.logical_and.accumulate(spans == spans[chosen], axis=1)  # [n, length]
-    alive_after = agree.sum(axis=0)
-    alive_before = np.concatenate(([sources.size], alive_after[:-1]))
-    nll = np.log(alive_before) - np.log(alive_after)
-    entropy = np.zeros(length)
-    for i in range(length):
-        if alive_before[i] == 1:
-            break  # the source is known: the rest of the copy is certain
-        rows = agree[:, i - 1] if i else slice(None)
-        counts = np.bincount(spans[rows, i])
-        counts = counts[counts > 0]
-        entropy[i] = math.log(alive_before[i]) - float((counts * np.log(counts)).sum()) / alive_before[i]
-    return nll, entropy
-
-
-class _Lookup:
-    """The source's tables as Python lists, and the per-position constants: the sampling loop is Python."""
-
-    def __init__(self, src: Source) -> None:
-        self.words = src.words.tolist()
-        self.successors = src.successors.tolist()
-        self.rot2, self.rot1 = src.rotation_prev2.tolist(), src.rotation_prev1.tolist()
-        self.cdf = np.cumsum(src.rank_probs).tolist()
-        self.cdf[-1] = 1.0  # so that bisect never runs past the last rank
-        self.laws = {e: src.free_position_law(e) for e in (False, True)}
-        self.free_h = {e: src.free_position_entropy(e) for e in (False, True)}
-        self.step_nll = {
-            e: [-math.log(self.laws[e][2] * p) for p in src.rank_probs.tolist()] for e in (False, True)
-        }
-
-
-def sample_document(
-    src: Source, draw, lookup: _Lookup | None = None
-) -> tuple[np.ndarray, list[float], list[float], np.ndarray, float, float]:
-    """One document: (its tokens from BOS, uint16; then H and -log P of each token after BOS, and whether it
-    was copied; then H and -log P of the BOS that follows it). ``draw()`` gives the next uniform in [0, 1)."""
     cfg = src.cfg
-    n_words, n_lengths, bos_pseudo = cfg.n_words, len(cfg.copy_lengths), cfg.n_words
-    longest_copy, branching = max(cfg.copy_lengths), cfg.branching
-    lookup = lookup or _Lookup(src)
-    successors, rot2, rot1, cdf = lookup.successors, lookup.rot2, lookup.rot1, lookup.cdf
-    laws, free_h, step_nll = lookup.laws, lookup.free_h, lookup.step_nll
-    bisect_right = bisect.bisect_right
+    nw, branching = cfg.n_words, cfg.branching
+    lengths = np.asarray(cfg.copy_lengths, dtype=np.int64)
+    nl, longest = lengths.size, int(np.argmax(lengths))
+    p_end, p_copy = cfg.end_prob, cfg.copy_prob
+    cdf = np.cumsum(src.rank_probs)
+    cdf[-1] = 1.0  # so that searchsorted never runs past the last rank
+    free_h = np.array([src.free_position_entropy(e) for e in (False, True)])
+    step_nll = np.array([-np.log(src.free_position_law(e)[2] * src.rank_probs) for e in (False, True)])
+    marker_nll = -math.log(p_copy / nl) if p_copy > 0 else math.inf
+    log_nw = math.log(nw)
+    succ, rot2, rot1 = src.successors, src.rotation_prev2, src.rotation_prev1
 
-    first = min(int(draw() * n_words), n_words - 1)
-    index = [-1, first]  # word index per position; -1 for BOS, -2 - i for the marker of copy_lengths[i]
-    entropy, nll = [math.log(n_words)], [math.log(n_words)]
-    runs: list[tuple[int, int]] = []  # closed marker-free word runs [start, end)
-    copies: list[tuple[int, int]] = []  # copied spans [start, end)
-    run_start, longest, eligible = 1, 0, False
-    while True:
-        t = len(index)
-        # Eligibility only grows within a document: a closed run keeps its length in `longest`.
-        eligible = eligible or (cfg.copy_prob > 0 and max(longest, t - run_start) >= longest_copy)
-        p_end, p_copy, _ = laws[eligible]
-        u = draw()
-        if u < p_end:
-            break
-        if u < p_end + p_copy:
-            which = min(int(draw() * n_lengths), n_lengths - 1)
-            length = cfg.copy_lengths[which]
-            index.append(-2 - which)
-            entropy.append(free_h[eligible])
-            nll.append(-math.log(p_copy / n_lengths))
-            runs.append((run_start, t))
-            longest = max(longest, t - run_start)
-            sources = np.concatenate([np.arange(a, b - length + 1) for a, b in runs if b - a >= length])
-            chosen = min(int(draw() * sources.size), sources.size - 1)
-            start = int(sources[chosen])
-            span_nll, span_h = _copy_costs(np.asarray(index), sources, chosen, length)
-            index.extend(index[start : start + length])
-            entropy.extend(span_h.tolist())
-            nll.extend(span_nll.tolist())
-            copies.append((t + 1, t + 1 + length))
-            run_start = t + 1
-            continue
-        prev2 = index[t - 2]
-        if prev2 < 0:
-            prev2 = bos_pseudo  # only BOS precedes a free position's word (copies are >= 2 words)
-        prev1 = index[t - 1]
-        rank = bisect_right(cdf, draw())
-        index.append(successors[prev1][(rank + rot2[prev2] + rot1[prev1]) % branching])
-        entropy.append(free_h[eligible])
-        nll.append(step_nll[eligible][rank])
-
-    codes = np.asarray(index)
-    tokens = np.where(codes >= 0, src.words[np.maximum(codes, 0)], src.markers[np.clip(-2 - codes, 0, None)])
-    tokens[0] = src.bos_id
-    copied = np.zeros(codes.size, dtype=bool)
-    for a, b in copies:
-        copied[a:b] = True
-    return tokens.astype(np.uint16), entropy, nll, copied[1:], free_h[eligible], -math.log(p_end)
-
-
-def sample_stream(src: Source, seed, n_tokens: int) -> Stream:
-    """Documents from ``seed`` (what np.random.default_rng takes), concatenated and cut to ``n_tokens``."""
+    slots = _slot_count(src, n_tokens)
     rng = np.random.default_rng(seed)
+    cap = n_tokens // slots + SLOT_TOKENS
+    code = np.zeros((cap, slots), dtype=np.int32)  # [position, slot] word code
+    run_at = np.zeros((cap, slots), dtype=np.int32)  # [position, slot] marker-free words ending there
+    ent = np.zeros((cap, slots))  # [position, slot] H of the token; copied tokens past the first stay 0 ...
+    nll = np.zeros((cap, slots))  # ... until the ambiguous copies are resolved
+    copied = np.zeros((cap, slots), dtype=bool)
+    xlogx = _xlogx(np.arange(cap + 1))
+    # The current documents' copy sources (windows of a length inside one marker-free run), by length and slot:
+    # how many, how many per first word, and the sum of c log c over those per-word counts.
+    n_src = np.zeros((nl, slots), dtype=np.int64)
+    per_word = np.zeros((nl, slots, nw), dtype=np.int32)
+    clogc = np.zeros((nl, slots))
+    flat_n_src, flat_per_word, flat_clogc = n_src.reshape(-1), per_word.reshape(-1), clogc.reshape(-1)
 
-    def uniforms():
-        while True:
-            yield from rng.random(_UNIFORM_BLOCK).tolist()
+    code[0] = _BOS_CODE
+    t = 1  # the position every active slot writes next
+    mode = np.full(slots, _FIRST, dtype=np.int8)
+    prev1 = np.zeros(slots, dtype=np.int64)
+    prev2 = np.full(slots, nw, dtype=np.int64)  # nw stands for BOS
+    run = np.zeros(slots, dtype=np.int64)  # marker-free words ending at the last position
+    copy_from = np.zeros(slots, dtype=np.int64)
+    copy_left = np.zeros(slots, dtype=np.int64)
+    doc_of, doc_begin = np.arange(slots), np.zeros(slots, dtype=np.int64)
+    doc_slot, doc_start = [np.arange(slots)], [np.zeros(slots, dtype=np.int64)]
+    ends: list[tuple[np.ndarray, ...]] = []  # (doc ids, end positions, eligible at the end)
+    ambiguous: list[tuple[np.ndarray, ...]] = []  # copies whose first word has > 1 source (see _resolve_copies_)
+    emitted, reported, next_doc, step = slots, 0, slots, 0
 
-    draw = uniforms().__next__
-    lookup = _Lookup(src)
-    parts: list[tuple[np.ndarray, ...]] = []
-    total, bos_h, bos_nll = 0, math.nan, math.nan  # the first BOS of the stream is not predicted
-    while total < n_tokens:
-        tokens, entropy, nll, copied, end_h, end_nll = sample_document(src, draw, lookup)
-        parts.append(
-            (
-                tokens,
-                np.asarray([bos_h, *entropy]),
-                np.asarray([bos_nll, *nll]),
-                np.concatenate(([False], copied)),
-            )
-        )
-        total += tokens.size
-        bos_h, bos_nll = end_h, end_nll
-    tokens, entropy, nll, in_copy = (np.concatenate(column)[:n_tokens] for column in zip(*parts))
+    while True:
+        if step % _DRAW_STEPS == 0:
+            draws = rng.random((_DRAW_STEPS, 3, slots))
+            if on_tokens is not None and min(emitted, n_tokens) > reported:
+                on_tokens(min(emitted, n_tokens) - reported)
+                reported = min(emitted, n_tokens)
+        u = draws[step % _DRAW_STEPS]
+        step += 1
+        first, free, cp = ((mode == m).nonzero()[0] for m in (_FIRST, _FREE, _COPY))
+        if not (first.size or free.size or cp.size):
+            break
+        if t + 2 >= cap:  # +2: a copy writes its first token's law one position ahead
+            cap = cap * 3 // 2
+            code, run_at, ent, nll, copied = (_grow(a, cap) for a in (code, run_at, ent, nll, copied))
+            xlogx = _xlogx(np.arange(cap + 1))
+        row_code, row_run, row_ent, row_nll = code[t], run_at[t], ent[t], nll[t]
+
+        if first.size:  # the word after BOS: uniform
+            w = np.minimum((u[1, first] * nw).astype(np.int64), nw - 1)
+            row_code[first], row_ent[first], row_nll[first] = w, log_nw, log_nw
+            prev2[first], prev1[first], run[first] = nw, w, 1
+            row_run[first] = 1
+            mode[first] = _FREE
+
+        if free.size:
+            # Eligible for a copy once the document holds a marker-free run of the longest copy length.
+            eligible = n_src[longest, free] > 0
+            ue = u[0, free]
+            is_end = ue < p_end
+            is_copy = ~is_end & eligible & (ue < p_end + p_copy)
+            is_step = ~(is_end | is_copy)
+
+            s, e = free[is_step], eligible[is_step].astype(np.int64)
+            rank = np.searchsorted(cdf, u[1, s], side="right")
+            a, b = prev2[s], prev1[s]
+            w = succ[b, (rank + rot2[a] + rot1[b]) % branching]
+            row_code[s], row_ent[s], row_nll[s] = w, free_h[e], step_nll[e, rank]
+            prev2[s], prev1[s] = b, w
+            run[s] += 1
+            row_run[s] = run[s]
+
+            c = free[is_copy]
+            if c.size:
+                which = np.minimum((u[1, c] * nl).astype(np.int64), nl - 1)
+                length = lengths[which]
+                # The source, uniform over the windows in one run: the window's last word, by rejection.
+                lo = doc_begin[c] + length
+                span = t - lo  # >= 1: the document holds a run of the longest length
+                last = np.empty(c.size, dtype=np.int64)
+                todo, r = np.arange(c.size), u[2, c]
+                while todo.size:
+                    q = lo[todo] + np.minimum((r * span[todo]).astype(np.int64), span[todo] - 1)
+                    ok = run_at[q, c[todo]] >= length[todo]
+                    last[todo[ok]] = q[ok]
+                    todo = todo[~ok]
+                    r = rng.random(todo.size)
+                start = last - length + 1
+                n = n_src[which, c]
+                agree = per_word[which, c, code[start, c]]  # sources sharing the chosen one's first word
+                row_code[c], row_ent[c], row_nll[c] = -2 - which, free_h[1], marker_nll
+                ent[t + 1, c] = np.log(n) - clogc[which, c] / n
+                nll[t + 1, c] = np.log(n) - np.log(agree)
+                many = agree > 1
+                if many.any():
+                    ambiguous.append((c[many], np.full(int(many.sum()), t), start[many], length[many], lo[many]))
+                mode[c], copy_from[c], copy_left[c], run[c] = _COPY, start, length, 0
+
+            d = free[is_end]
+            if d.size:
+                ends.append((doc_of[d], np.full(d.size, t), eligible[is_end]))
+                if emitted < n_tokens:  # start the next documents here
+                    row_code[d] = _BOS_CODE
+                    doc_of[d] = np.arange(next_doc, next_doc + d.size)
+                    next_doc += d.size
+                    doc_slot.append(d)
+                    doc_start.append(np.full(d.size, t))
+                    doc_begin[d] = t
+                    mode[d], run[d] = _FIRST, 0
+                    n_src[:, d], per_word[:, d], clogc[:, d] = 0, 0, 0.0
+                else:
+                    mode[d] = _IDLE
+
+        if cp.size:  # copied words: read from the source; their laws come from the copy's event
+            w = code.ravel()[copy_from[cp] * slots + cp].astype(np.int64)
+            row_code[cp], copied[t, cp] = w, True
+            prev2[cp], prev1[cp] = prev1[cp], w
+            run[cp] += 1
+            row_run[cp] = run[cp]
+            copy_from[cp] += 1
+            copy_left[cp] -= 1
+            mode[cp[copy_left[cp] == 0]] = _FREE
+
+        # Each new word completes one window of each length its run now covers: a new copy source.
+        words = np.concatenate((first, s, cp)) if free.size else np.concatenate((first, cp))
+        li, wi = np.nonzero(run[words] >= lengths[:, None])
+        if li.size:
+            slot = words[wi]
+            row = li * slots + slot
+            key = row * nw + code.ravel()[(t + 1 - lengths[li]) * slots + slot]
+            before = flat_per_word[key]
+            flat_per_word[key] = before + 1
+            flat_clogc[row] += xlogx[before + 1] - xlogx[before]
+            flat_n_src[row] += 1
+        emitted += int((mode != _IDLE).sum())
+        t += 1
+
+    if ambiguous:
+        _resolve_copies_(code, run_at, ent, nll, *(np.concatenate(col) for col in zip(*ambiguous)), nw)
+    if on_tokens is not None and n_tokens > reported:
+        on_tokens(n_tokens - reported)
+
+    # Kept documents, in the order they were started.
+    doc_slot_a, doc_start_a = np.concatenate(doc_slot), np.concatenate(doc_start)
+    end_doc, end_pos, end_eligible = (np.concatenate(col) for col in zip(*ends))
+    doc_len = np.empty(next_doc, dtype=np.int64)
+    doc_len[end_doc] = end_pos - doc_start_a[end_doc]
+    doc_eligible = np.empty(next_doc, dtype=np.int64)
+    doc_eligible[end_doc] = end_eligible
+    kept = int(np.searchsorted(np.cumsum(doc_len), n_tokens)) + 1
+    lens = doc_len[:kept]
+    doc_index, position = _ragged(doc_start_a[:kept], lens)
+    flat = position * slots + doc_slot_a[:kept][doc_index]
+    lut = np.concatenate((src.markers[::-1], [src.bos_id], src.words))  # lut[code + nl + 1]
+    tokens = lut[code.ravel()[flat] + nl + 1].astype(np.uint16)
+    entropy, neg_log_p = ent.ravel()[flat], nll.ravel()[flat]
+    # A document's BOS is predicted at the end of the document before it.
+    offsets = np.cumsum(lens) - lens
+    entropy[offsets[1:]], neg_log_p[offsets[1:]] = free_h[doc_eligible[: kept - 1]], -math.log(p_end)
+    entropy[0] = neg_log_p[0] = math.nan
+    stream = Stream(tokens, entropy, neg_log_p, copied.ravel()[flat])
+    return stream, float(free_h[doc_eligible[kept - 1]]), -math.log(p_end)
+
+
+def _resolve_copies_(code, run_at, ent, nll, slot, marker, start, length, lo, nw) -> None:
+    """Write H and -log P of the copied tokens after the first, for copies whose first word has > 1 source.
+
+    A copy: its slot, marker position, chosen source start, length, and lo = the document's first position
+    + length (the least last word of a source). Given the first i copied tokens the source is uniform over the
+    candidates that agree with them (those of the chosen first word, then narrowing): H = log a - sum(g log g)
+    / a over the groups g of candidates by their next word, and -log P = log a - log(the chosen word's
+    group). A copy left with one candidate is certain from there on (the buffers already hold 0).
+    """
+    slots, flat_code, flat_run = code.shape[1], code.ravel(), run_at.ravel()
+    span = marker - lo  # candidate sources' last words lie in [lo, marker)
+    bounds = np.searchsorted(np.cumsum(span), np.arange(0, int(span.sum()), _RESOLVE_BATCH), side="right")
+    for b0, b1 in zip(bounds, (*bounds[1:], slot.size)):
+        sl, n_copies = slot[b0:b1], b1 - b0
+        copy, last = _ragged(lo[b0:b1], span[b0:b1])
+        cand = last - length[b0:b1][copy] + 1
+        first_word = flat_code[start[b0:b1] * slots + sl]
+        keep = flat_run[last * slots + sl[copy]] >= length[b0:b1][copy]
+        keep &= flat_code[cand * slots + sl[copy]] == first_word[copy]
+        copy, cand = copy[keep], cand[keep]
+        for i in range(1, int(length[b0:b1].max())):
+            alive = np.bincount(copy, minlength=n_copies)  # candidates agreeing with copied tokens 0..i-1
+            keep = (alive[copy] > 1) & (length[b0:b1][copy] > i)
+            copy, cand = copy[keep], cand[keep]
+            if not copy.size:
+                break
+            s = sl[copy]
+            word = flat_code[(cand + i) * slots + s].astype(np.int64)
+            match = word == flat_code[(start[b0:b1][copy] + i) * slots + s]
+            groups, group_size = np.unique(copy * nw + word, return_counts=True)
+            glogg = np.bincount(groups // nw, weights=_xlogx(group_size), minlength=n_copies)
+            live = np.unique(copy)
+            a = alive[live]
+            after = np.bincount(copy[match], minlength=n_copies)[live]
+            at = marker[b0:b1][live] + 1 + i
+            ent[at, sl[live]] = np.log(a) - glogg[live] / a
+            nll[at, sl[live]] = np.log(a) - np.log(after)
+            copy, cand = copy[match], cand[match]
+
+
+def _group_job(args) -> tuple[Stream, float, float]:
+    return sample_group(*args)
+
+
+def sample_stream(src: Source, seed, n_tokens: int, workers: int = 1, on_tokens=None) -> Stream:
+    """Documents from ``seed`` (a SeedSequence or what it takes), concatenated and cut to ``n_tokens``.
+
+    The stream is made of groups of GROUP_TOKENS (the last one shorter), each sampled by ``sample_group`` from
+    its own child of the seed, so groups can be built in ``workers`` processes with the same result.
+    """
+    root = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
+    sizes = [min(GROUP_TOKENS, n_tokens - lo) for lo in range(0, n_tokens, GROUP_TOKENS)]
+    jobs = [
+        (src, np.random.SeedSequence(root.entropy, spawn_key=(*root.spawn_key, g)), n) for g, n in enumerate(sizes)
+    ]
+    if workers > 1 and len(jobs) > 1:
+        # fork: the children need only NumPy and this module, and start in milliseconds.
+        context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+        with context.Pool(min(workers, len(jobs))) as pool:
+            results = []
+            for job, result in zip(jobs, pool.imap(_group_job, jobs)):
+                results.append(result)
+                if on_tokens is not None:
+                    on_tokens(job[2])
+    else:
+        results = [sample_group(*job, on_tokens=on_tokens) for job in jobs]
+    for (stream, _, _), (_, h, neg_log_p) in zip(results[1:], results[:-1]):
+        stream.entropy[0], stream.nll[0] = h, neg_log_p
+    columns = zip(*((s.tokens, s.entropy, s.nll, s.in_copy) for s, _, _ in results))
+    tokens, entropy, nll, in_copy = (np.concatenate(column)[:n_tokens] for column in columns)
     return Stream(tokens, entropy, nll, in_copy)
 
 
