@@ -201,12 +201,15 @@ def sample_group(src: Source, seed, n_tokens: int, on_tokens=None) -> tuple[Stre
 
     slots = _slot_count(src, n_tokens)
     rng = np.random.default_rng(seed)
-    cap = n_tokens // slots + SLOT_TOKENS
+    # The last documents run past n_tokens / slots: by ~ln(slots) mean document lengths (more is grown).
+    cap = n_tokens // slots + int(2 / p_end * math.log(slots + 1)) + 16
     code = np.zeros((cap, slots), dtype=np.int32)  # [position, slot] word code
     run_at = np.zeros((cap, slots), dtype=np.int32)  # [position, slot] marker-free words ending there
     ent = np.zeros((cap, slots))  # [position, slot] H of the token; copied tokens past the first stay 0 ...
     nll = np.zeros((cap, slots))  # ... until the ambiguous copies are resolved
     copied = np.zeros((cap, slots), dtype=bool)
+    prev_seen = np.zeros((cap, slots), dtype=np.int32)  # [position, slot] the word's previous position, or -1
+    last_seen = np.full((slots, nw), -1, dtype=np.int32)  # [slot, word] its last position (maybe an old doc)
     xlogx = _xlogx(np.arange(cap + 1))
     # The current documents' copy sources (windows of a length inside one marker-free run), by length and slot:
     # how many, how many per first word, and the sum of c log c over those per-word counts.
@@ -242,7 +245,9 @@ def sample_group(src: Source, seed, n_tokens: int, on_tokens=None) -> tuple[Stre
             break
         if t + 2 >= cap:  # +2: a copy writes its first token's law one position ahead
             cap = cap * 3 // 2
-            code, run_at, ent, nll, copied = (_grow(a, cap) for a in (code, run_at, ent, nll, copied))
+            code, run_at, ent, nll, copied, prev_seen = (
+                _grow(a, cap) for a in (code, run_at, ent, nll, copied, prev_seen)
+            )
             xlogx = _xlogx(np.arange(cap + 1))
         row_code, row_run, row_ent, row_nll = code[t], run_at[t], ent[t], nll[t]
 
@@ -287,13 +292,15 @@ def sample_group(src: Source, seed, n_tokens: int, on_tokens=None) -> tuple[Stre
                     r = rng.random(todo.size)
                 start = last - length + 1
                 n = n_src[which, c]
-                agree = per_word[which, c, code[start, c]]  # sources sharing the chosen one's first word
+                first_word = code[start, c]
+                agree = per_word[which, c, first_word]  # sources sharing the chosen one's first word
                 row_code[c], row_ent[c], row_nll[c] = -2 - which, free_h[1], marker_nll
                 ent[t + 1, c] = np.log(n) - clogc[which, c] / n
                 nll[t + 1, c] = np.log(n) - np.log(agree)
                 many = agree > 1
                 if many.any():
-                    ambiguous.append((c[many], np.full(int(many.sum()), t), start[many], length[many], lo[many]))
+                    seen = last_seen[c[many], first_word[many]]
+                    ambiguous.append((c[many], np.full(int(many.sum()), t), start[many], length[many], lo[many], seen))
                 mode[c], copy_from[c], copy_left[c], run[c] = _COPY, start, length, 0
 
             d = free[is_end]
@@ -323,6 +330,9 @@ def sample_group(src: Source, seed, n_tokens: int, on_tokens=None) -> tuple[Stre
 
         # Each new word completes one window of each length its run now covers: a new copy source.
         words = np.concatenate((first, s, cp)) if free.size else np.concatenate((first, cp))
+        word = row_code[words]
+        prev_seen[t, words] = last_seen[words, word]
+        last_seen[words, word] = t
         li, wi = np.nonzero(run[words] >= lengths[:, None])
         if li.size:
             slot = words[wi]
@@ -336,7 +346,7 @@ def sample_group(src: Source, seed, n_tokens: int, on_tokens=None) -> tuple[Stre
         t += 1
 
     if ambiguous:
-        _resolve_copies_(code, run_at, ent, nll, *(np.concatenate(col) for col in zip(*ambiguous)), nw)
+        _resolve_copies_(code, run_at, prev_seen, ent, nll, *(np.concatenate(col) for col in zip(*ambiguous)), nw)
     if on_tokens is not None and n_tokens > reported:
         on_tokens(n_tokens - reported)
 
@@ -362,44 +372,52 @@ def sample_group(src: Source, seed, n_tokens: int, on_tokens=None) -> tuple[Stre
     return stream, float(free_h[doc_eligible[kept - 1]]), -math.log(p_end)
 
 
-def _resolve_copies_(code, run_at, ent, nll, slot, marker, start, length, lo, nw) -> None:
+def _resolve_copies_(code, run_at, prev_seen, ent, nll, slot, marker, start, length, lo, seen, nw) -> None:
     """Write H and -log P of the copied tokens after the first, for copies whose first word has > 1 source.
 
-    A copy: its slot, marker position, chosen source start, length, and lo = the document's first position
-    + length (the least last word of a source). Given the first i copied tokens the source is uniform over the
-    candidates that agree with them (those of the chosen first word, then narrowing): H = log a - sum(g log g)
-    / a over the groups g of candidates by their next word, and -log P = log a - log(the chosen word's
-    group). A copy left with one candidate is certain from there on (the buffers already hold 0).
+    A copy: its slot, marker position, chosen source start, length, lo = the document's first position +
+    length (the least last word of a source), and the last position of its first word before the marker (the
+    word's earlier positions chain back through prev_seen). Given the first i copied tokens the source is
+    uniform over the candidates that agree with them (those of the chosen first word, then narrowing):
+    H = log a - sum(g log g) / a over the groups g of candidates by their next word, and -log P = log a -
+    log(the chosen word's group). A copy left with one candidate is certain from there on (the buffers
+    already hold 0).
     """
-    slots, flat_code, flat_run = code.shape[1], code.ravel(), run_at.ravel()
-    span = marker - lo  # candidate sources' last words lie in [lo, marker)
-    bounds = np.searchsorted(np.cumsum(span), np.arange(0, int(span.sum()), _RESOLVE_BATCH), side="right")
-    for b0, b1 in zip(bounds, (*bounds[1:], slot.size)):
-        sl, n_copies = slot[b0:b1], b1 - b0
-        copy, last = _ragged(lo[b0:b1], span[b0:b1])
-        cand = last - length[b0:b1][copy] + 1
-        first_word = flat_code[start[b0:b1] * slots + sl]
-        keep = flat_run[last * slots + sl[copy]] >= length[b0:b1][copy]
-        keep &= flat_code[cand * slots + sl[copy]] == first_word[copy]
+    slots, flat_code, flat_run, flat_prev = code.shape[1], code.ravel(), run_at.ravel(), prev_seen.ravel()
+    # The candidates: the first word's positions in the document that start a window inside one run.
+    found_copy, found_start = [], []
+    copy, p = np.arange(slot.size), seen.astype(np.int64)
+    while copy.size:
+        inside = p > lo[copy] - length[copy]  # not BOS or an earlier document
+        copy, p = copy[inside], p[inside]
+        last = p + length[copy] - 1
+        ok = last < marker[copy]
+        ok[ok] = flat_run[last[ok] * slots + slot[copy[ok]]] >= length[copy[ok]]
+        found_copy.append(copy[ok])
+        found_start.append(p[ok])
+        p = flat_prev[p * slots + slot[copy]].astype(np.int64)
+    copy, cand = np.concatenate(found_copy), np.concatenate(found_start)
+    n_copies = slot.size
+    for i in range(1, int(length.max())):
+        alive = np.bincount(copy, minlength=n_copies)  # candidates agreeing with copied tokens 0..i-1
+        keep = (alive[copy] > 1) & (length[copy] > i)
         copy, cand = copy[keep], cand[keep]
-        for i in range(1, int(length[b0:b1].max())):
-            alive = np.bincount(copy, minlength=n_copies)  # candidates agreeing with copied tokens 0..i-1
-            keep = (alive[copy] > 1) & (length[b0:b1][copy] > i)
-            copy, cand = copy[keep], cand[keep]
-            if not copy.size:
-                break
-            s = sl[copy]
-            word = flat_code[(cand + i) * slots + s].astype(np.int64)
-            match = word == flat_code[(start[b0:b1][copy] + i) * slots + s]
-            groups, group_size = np.unique(copy * nw + word, return_counts=True)
-            glogg = np.bincount(groups // nw, weights=_xlogx(group_size), minlength=n_copies)
-            live = np.unique(copy)
-            a = alive[live]
-            after = np.bincount(copy[match], minlength=n_copies)[live]
-            at = marker[b0:b1][live] + 1 + i
-            ent[at, sl[live]] = np.log(a) - glogg[live] / a
-            nll[at, sl[live]] = np.log(a) - np.log(after)
-            copy, cand = copy[match], cand[match]
+        if not copy.size:
+            break
+        s = slot[copy]
+        word = flat_code[(cand + i) * slots + s].astype(np.int64)
+        match = word == flat_code[(start[copy] + i) * slots + s]
+        groups, group_size = np.unique(copy * nw + word, return_counts=True)
+        glogg = np.bincount(groups // nw, weights=_xlogx(group_size), minlength=n_copies)
+        live = np.unique(copy)
+        a = alive[live]
+        after = np.bincount(copy[match], minlength=n_copies)[live]
+        at = marker[live] + 1 + i
+        ent[at, slot[live]] = np.log(a) - glogg[live] / a
+        nll[at, slot[live]] = np.log(a) - np.log(after)
+        copy, cand = copy[match], cand[match]
+
+
 
 
 def _group_job(args) -> tuple[Stream, float, float]:
