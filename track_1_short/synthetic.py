@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from track_1_short.data import DataConfig, SyntheticConfig, write_shard
 
@@ -53,11 +54,11 @@ SIDECAR_NAME = "synthetic.json"
 PREFIX = "synthetic"
 # The sampler's shape. These fix the byte stream (changing one needs a GENERATOR_VERSION bump) but not its
 # law, and set speed and memory only; none is a property of the corpus a user would tune.
-GROUP_TOKENS = 1 << 21  # tokens per group: one seed child each, the unit of work of a build process
-MAX_SLOTS = 512  # documents sampled side by side (each step's ~100 NumPy calls are shared by this many)
+GROUP_TOKENS = 1 << 22  # tokens per group: one seed child each, the unit of work of a build process
+MAX_SLOTS = 1024  # documents sampled side by side (each step's ~60 NumPy calls are shared by this many)
 SLOT_TOKENS = 2048  # tokens per slot at least: a small stream uses fewer slots, so starts few unkept documents
 _COUNT_ENTRIES = 1 << 23  # cap on copy lengths x slots x n_words, the int32 first-word counts (32 MiB)
-_DRAW_STEPS = 64
+_DRAW_STEPS = 64  # steps of uniforms drawn at a time
 _RESOLVE_BATCH = 1 << 21  # candidate positions scanned at a time when resolving ambiguous copies (memory only)  # steps of uniforms drawn from the generator at a time
 
 
@@ -480,13 +481,36 @@ def corpus_params(cfg: DataConfig) -> dict:
     }
 
 
-def build_corpus(cfg: DataConfig, out_dir: str | os.PathLike) -> dict:
-    """Write the shards and the sidecar into the existing directory ``out_dir``; returns the sidecar."""
+def default_workers() -> int:
+    """Build processes: one per core this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def build_corpus(
+    cfg: DataConfig, out_dir: str | os.PathLike, *, workers: int | None = None, progress: bool = True
+) -> dict:
+    """Write the shards and the sidecar into the existing directory ``out_dir``; returns the sidecar.
+
+    ``workers``: build processes (None: one per core); the files do not depend on it. ``progress``: a bar
+    over the tokens sampled, on stderr when it is a terminal.
+    """
     out_dir = Path(out_dir)
     syn = cfg.synthetic
+    workers = default_workers() if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be >= 1 (or None: one per core).")
     src = Source.from_config(syn, cfg.vocab_size, cfg.bos_id)
-    train = sample_stream(src, seeds(syn.seed)["train"], syn.train_tokens)
-    val = sample_stream(src, seeds(syn.seed)["val"], syn.val_tokens + 1)
+    with tqdm(
+        total=syn.train_tokens + syn.val_tokens + 1,
+        desc="synthetic corpus",
+        unit="tok",
+        unit_scale=True,
+        disable=None if progress else True,  # None: only on a terminal
+        file=sys.stderr,
+        dynamic_ncols=True,
+    ) as bar:
+        train = sample_stream(src, seeds(syn.seed)["train"], syn.train_tokens, workers, bar.update)
+        val = sample_stream(src, seeds(syn.seed)["val"], syn.val_tokens + 1, workers, bar.update)
     train_files = []
     for i, lo in enumerate(range(0, train.tokens.size, syn.shard_tokens)):
         name = f"{PREFIX}_train_{i + 1:06d}.bin"
@@ -518,8 +542,10 @@ def corpus_dir(cfg: DataConfig, cache_dir: str | os.PathLike) -> Path:
     return Path(cache_dir).expanduser() / f"{PREFIX}-{digest}"
 
 
-def ensure_corpus(cfg: DataConfig, cache_dir: str | os.PathLike) -> Path:
-    """The corpus directory for ``cfg.synthetic``: built on first use, reused afterwards.
+def ensure_corpus(
+    cfg: DataConfig, cache_dir: str | os.PathLike, *, workers: int | None = None, progress: bool = True
+) -> Path:
+    """The corpus directory for ``cfg.synthetic``: built on first use (``build_corpus``), reused afterwards.
 
     Safe to call from several processes at once: each builds into its own temporary directory and the first
     rename wins; a killed build leaves only a temporary directory that is never read.
@@ -531,7 +557,7 @@ def ensure_corpus(cfg: DataConfig, cache_dir: str | os.PathLike) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=final.parent))
     try:
-        build_corpus(cfg, tmp)
+        build_corpus(cfg, tmp, workers=workers, progress=progress)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -569,6 +595,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "other parameters. Flags mirror the data.synthetic config fields.",
     )
     parser.add_argument("--dir", default=defaults.dir, help="cache directory (data.dir); default %(default)s")
+    parser.add_argument(
+        "--workers", type=int, default=None, help="build processes (the files do not depend on it); default: one per core"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
     for f in dataclasses.fields(SyntheticConfig):
         default = getattr(defaults.synthetic, f.name)
         flag = "--" + f.name.replace("_", "-")
@@ -588,7 +618,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    path = ensure_corpus(cfg, cfg.dir)
+    if args.workers is not None and args.workers < 1:
+        print(f"error: --workers={args.workers} must be >= 1 (or left out: one per core).", file=sys.stderr)
+        return 2
+    path = ensure_corpus(cfg, cfg.dir, workers=args.workers, progress=not args.no_progress)
     print(path)
     print((path / SIDECAR_NAME).read_text(), end="")
     return 0
