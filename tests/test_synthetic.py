@@ -296,3 +296,65 @@ def test_module_runs_as_a_command(tmp_path):
         [sys.executable, "-m", "track_1_short.synthetic", *argv], capture_output=True, text=True, check=True
     ).stdout
     assert json.loads(out.split("\n", 1)[1])["params"]["seed"] == 3
+
+
+@pytest.fixture
+def small_groups(monkeypatch):
+    """Many slots and several groups on a small stream, so that slot refills and group joins occur."""
+    monkeypatch.setattr(synthetic, "GROUP_TOKENS", 1 << 14)
+    monkeypatch.setattr(synthetic, "SLOT_TOKENS", 256)
+
+
+def test_sampled_per_token_laws_match_the_process_definition(small_groups):
+    src = Source.from_config(SyntheticConfig(), VOCAB, BOS)
+    stream = synthetic.sample_stream(src, 7, 60_000)
+    entropy, nll, _ = rescore(stream.tokens, src)
+    # Both sides evaluate the same closed forms (log a - sum(g log g) / a over candidate groups, the free
+    # position law's entropy) in a different order of float64 operations (the sampler sums c log c
+    # incrementally): equal up to a few ulps of terms of order 10.
+    np.testing.assert_allclose(stream.entropy[1:], entropy, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(stream.nll[1:], nll, rtol=0, atol=1e-12)
+    # Not vacuous: the stream holds group joins, and copies whose source stays ambiguous past the first token.
+    assert int((stream.tokens == BOS).sum()) > 60_000 // (1 << 14) + 1
+    after_first = stream.in_copy[1:] & stream.in_copy[:-1]
+    assert (stream.entropy[1:][after_first] > 0.1).sum() > 50
+
+
+def test_stream_does_not_depend_on_the_number_of_build_processes(small_groups):
+    src = Source.from_config(SyntheticConfig(), VOCAB, BOS)
+    serial, parallel = (synthetic.sample_stream(src, 3, 70_000, workers=w) for w in (1, 2))
+    for field in ("tokens", "entropy", "nll", "in_copy"):
+        assert np.array_equal(getattr(serial, field), getattr(parallel, field), equal_nan=True), field
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_progress_bar_counts_every_token_and_obeys_the_flag(tmp_path, monkeypatch, progress):
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, disable, file, **kwargs):
+            self.total, self.disable, self.file, self.n = total, disable, file, 0
+            bars.append(self)
+
+        def update(self, k):
+            self.n += k
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(synthetic, "tqdm", Recorder)
+    cfg = small_config(train_tokens=20_000, val_tokens=4096)
+    synthetic.build_corpus(cfg, tmp_path, progress=progress)
+    (bar,) = bars
+    assert bar.total == bar.n == 20_000 + 4096 + 1 and bar.file is sys.stderr
+    assert bar.disable is (None if progress else True)  # None: tqdm shows it only on a terminal
+
+
+def test_bad_worker_count_is_reported_before_anything_is_written(tmp_path, capsys):
+    with pytest.raises(ValueError, match="workers=0 must be >= 1"):
+        synthetic.build_corpus(small_config(train_tokens=20_000, val_tokens=4096), tmp_path, workers=0)
+    assert synthetic.main(["--dir", str(tmp_path), "--workers", "0"]) == 2
+    assert "--workers=0" in capsys.readouterr().err and not any(tmp_path.iterdir())
