@@ -354,11 +354,14 @@ def interleaved_samples(
     return {n: Samples(host[n], dev[n] if cuda else None, starved[n] if cuda else None) for n in names}
 
 
-def spin_lengths(runners: dict[str, Callable[[], None]], device: torch.device) -> dict[str, float]:
+def spin_lengths(
+    runners: dict[str, Callable[[], None]],
+    device: torch.device,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, float]:
     """Per runner, a spin-kernel length in seconds from its median enqueue time over a few rounds."""
-    probe = interleaved_samples(
-        runners, CALIBRATION_ROUNDS, device, lead_s=dict.fromkeys(runners, LEAD_MARGIN_S), seed=1
-    )
+    leads = dict.fromkeys(runners, LEAD_MARGIN_S)
+    probe = interleaved_samples(runners, CALIBRATION_ROUNDS, device, lead_s=leads, seed=1, clock=clock)
     return {n: LEAD_FACTOR * float(np.median(s.host)) + LEAD_MARGIN_S for n, s in probe.items()}
 
 

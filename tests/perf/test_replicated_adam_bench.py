@@ -187,3 +187,46 @@ def test_record_flag_with_another_set_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--record", "--sets", "synthetic"])
     assert "--record measures the record set only" in capsys.readouterr().err
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's events, spin kernel and sync over a FakeClock: the CUDA branch's bookkeeping on a CPU."""
+    clock = FakeClock()
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = clock.now
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3  # milliseconds, as CUDA events report
+
+    def spin(cycles):
+        clock.now += cycles / 2e9  # a 2 GHz clock
+
+    torch = bench.torch
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", spin)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    return clock
+
+
+def test_cuda_repetitions_get_event_device_times_in_seconds_and_count_starved_spins(fake_cuda):
+    clock = fake_cuda
+    runners = {"backward_only": clock.takes(100e-6), "slow": clock.takes(2e-3)}
+    cuda = bench.torch.device("cuda")
+    leads = bench.spin_lengths(runners, cuda, clock)
+    assert leads == pytest.approx({"backward_only": 3 * 100e-6 + 200e-6, "slow": 3 * 2e-3 + 200e-6})
+    samples = bench.interleaved_samples(
+        runners, 8, cuda, lead_s={"backward_only": 1e-3, "slow": 1e-3}, clock=clock
+    )
+    assert samples["slow"].device == pytest.approx(np.full(8, 2e-3))
+    assert samples["slow"].starved == 8 and samples["backward_only"].starved == 0
+    with pytest.raises(ValueError, match="lead_s"):
+        bench.interleaved_samples(runners, 2, cuda, clock=clock)
