@@ -1,7 +1,7 @@
 """Replicated Adam per Adam step: the per-parameter path, the fused paths and torch.optim.Adam, in one run.
 
     python perf/bench_replicated_adam.py --out perf/results/replicated_adam.json             # CUDA
-    python perf/bench_replicated_adam.py --record         # the record set only, a short table last
+    python perf/bench_replicated_adam.py --record                                   # record set, short table
     python perf/bench_replicated_adam.py --device cpu --out /tmp/replicated_adam.json         # CPU smoke
     torchrun --nproc_per_node=2 perf/bench_replicated_adam.py --out /tmp/ra2.json         # with all_reduces
 
