@@ -1,6 +1,7 @@
 """Replicated Adam per Adam step: the per-parameter path, the fused paths and torch.optim.Adam, in one run.
 
     python perf/bench_replicated_adam.py --out perf/results/replicated_adam.json             # CUDA
+    python perf/bench_replicated_adam.py --record                                   # record set, short table
     python perf/bench_replicated_adam.py --device cpu --out /tmp/replicated_adam.json         # CPU smoke
     torchrun --nproc_per_node=2 perf/bench_replicated_adam.py --out /tmp/ra2.json         # with all_reduces
 
@@ -15,17 +16,26 @@ elements, bf16 and fp32, three beta pairs). Paths, each from the same initial va
 - ``torch_adam``: ``torch.optim.Adam`` (fused=True on CUDA), one group per tensor, after per-parameter
   all_reduces; its arithmetic differs (no cautious decay), so it is timed, not compared.
 
-Each timed step is one backward straight into the parameters (precomputed gradients, a new scale each step)
-followed by the path's Adam step; "backward only" is measured in the same run and subtracted. Columns:
+Method. One repetition of a path is its whole training-step share: arm, one backward straight into the
+parameters (precomputed gradients, a new scale each step; a path's gradient hooks run inside it), the Adam
+step. The baseline ``backward_only`` is the same backward with the gradients dropped. Every round runs each
+path and the baseline once, in a fresh seeded order (A B A B ..., so drift and cache effects fall on all of
+them), with the garbage collector off. A path's step cost is the median over rounds of its repetition minus
+the baseline's of the same round, with a bootstrap 95% interval of that median; a cost whose interval reaches
+zero is "below noise": no number and no ratio is made from it. On CUDA each repetition starts on an idle queue
+behind a spin kernel longer than the repetition's enqueue (the GPU stays busy ahead of the host, as behind a
+training step's backward), so CUDA events around it time the device's work, not the host's pace. Columns:
 
-- ``host_us``: host wall time per step (median over steps, no device sync inside the loop), backward excluded;
-- ``device_us``: GPU busy time per step (kernels and copies, from the profiler), backward excluded (None on
-  CPU);
+- ``host_us``, ``device_us``: the step cost in host enqueue time and in device time (events; None on CPU),
+  or "below noise"; ``*_ci``: the 95% interval of that median;
+- ``total_host_us``, ``total_device_us``: median of a whole repetition (backward + step; backward alone on the
+  ``backward_only`` row), ``*_iqr``: its interquartile range;
+- ``starved``: repetitions whose enqueue outlasted the spin kernel (their device time includes host time);
 - ``launches``: per step, host calls that launch GPU work (cudaLaunchKernel, cuLaunchKernel, cudaGraphLaunch,
-  cudaMemcpyAsync, ...), backward excluded. On the CPU: dispatched aten ops plus Triton launches, the calls
-  that would be launches on a GPU;
+  cudaMemcpyAsync, ...), backward excluded (profiler). On the CPU: dispatched aten ops plus Triton launches,
+  the calls that would be launches on a GPU;
 - ``kernels``: GPU kernels and copies executed per step, those inside CUDA graphs included (None on CPU);
-- ``speedup``, ``vs_fused``: per_param's (fused's) host_us over this path's;
+- ``speedup``, ``vs_fused``: per_param's (fused's) host step cost over this path's;
 - ``bitwise``: after the run, parameters and moments equal the per_param path's bit for bit.
 
 At world size 1 the project's collectives are no-ops, so a one-process run measures everything but the
@@ -36,12 +46,14 @@ the interpreter (slow: the CPU run is a smoke of the whole benchmark, its figure
 from __future__ import annotations
 
 import argparse
+import gc
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # label, shape, dtype, betas, lr_mul, wd_mul: the record's replicated Adam tensors (upstream-optim notes 5).
@@ -230,26 +242,166 @@ PATH_CLASSES = {"per_param": PerParam, "fused": Fused, "device": Device, "torch_
 
 # ---- measuring ---------------------------------------------------------------------------------------------
 
+BELOW_NOISE = "below noise"
+CONFIDENCE = 0.95  # two-sided level of the interval that decides "below noise"
+RESAMPLES = 2000  # bootstrap resamples: the 2.5 and 97.5 percentiles of a median settle well before this
+# The spin kernel ahead of a CUDA repetition lasts LEAD_FACTOR times the repetition's median enqueue plus
+# LEAD_MARGIN_S, so that an enqueue a few times slower than usual still finishes before the GPU gets to it.
+LEAD_FACTOR, LEAD_MARGIN_S = 3.0, 200e-6
+CALIBRATION_ROUNDS = 5  # rounds that measure each path's enqueue time, to size its spin kernel (CUDA only)
+SPIN_CALIBRATION_CYCLES = 10_000_000  # about 5 ms at H200 clocks: long enough to time the clock rate
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def run_steps(
-    path, params, grads: Gradients, first: int, count: int, device, timed: bool = False
-) -> list[float]:
-    """``count`` steps from step index ``first``; per-step host seconds when ``timed``."""
-    times = []
-    for step in range(first, first + count):
-        start = time.perf_counter()
-        path.before_backward()
-        grads.backward(params, step)
-        path.step()
-        if timed:
-            times.append(time.perf_counter() - start)
+class Runner:
+    """One repetition of a path: arm, the backward (the path's gradient hooks run in it), the Adam step."""
+
+    def __init__(self, path, params, grads: Gradients):
+        self.path, self.params, self.grads = path, params, grads
+        self.step = 0  # indexes the gradient sets: every path sees the same sequence
+
+    def __call__(self) -> None:
+        self.path.before_backward()
+        self.grads.backward(self.params, self.step)
+        self.path.step()
+        self.step += 1
+
+
+def run_steps(runner: Runner, count: int, device) -> None:
+    for _ in range(count):
+        runner()
     sync(device)
-    return times
+
+
+class SpinLead:
+    """A spin kernel of a given duration on the current stream (torch.cuda._sleep counts GPU clock cycles)."""
+
+    def __init__(self, device: torch.device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        torch.cuda._sleep(SPIN_CALIBRATION_CYCLES)
+        end.record()
+        end.synchronize()
+        self.cycles_per_s = SPIN_CALIBRATION_CYCLES / (start.elapsed_time(end) * 1e-3)
+
+    def __call__(self, seconds: float) -> None:
+        torch.cuda._sleep(max(1, int(seconds * self.cycles_per_s)))
+
+
+@dataclass
+class Samples:
+    """One runner's repetitions in round order: host seconds, device seconds (None off CUDA)."""
+
+    host: np.ndarray
+    device: np.ndarray | None = None
+    starved: int | None = None  # CUDA: repetitions whose enqueue outlasted their spin kernel
+
+
+def interleaved_samples(
+    runners: dict[str, Callable[[], None]],
+    rounds: int,
+    device: torch.device,
+    *,
+    lead_s: dict[str, float] | None = None,
+    seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Samples]:
+    """``rounds`` rounds, each running every runner once in a fresh seeded order; one Samples per runner.
+
+    On CUDA ``lead_s`` gives each runner's spin-kernel length; each repetition starts on an idle queue (synced
+    before, outside the host timing) and its device time is the CUDA-event interval around it. The order
+    depends only on ``seed``, so every rank of a torchrun runs the same collectives in the same order.
+    """
+    names = list(runners)
+    cuda = device.type == "cuda"
+    if cuda and (lead_s is None or set(lead_s) != set(names)):
+        raise ValueError("interleaved_samples on CUDA needs lead_s with one spin length per runner")
+    spin = SpinLead(device) if cuda else None
+    start = torch.cuda.Event(enable_timing=True) if cuda else None
+    end = torch.cuda.Event(enable_timing=True) if cuda else None
+    host = {n: np.empty(rounds) for n in names}
+    dev = {n: np.empty(rounds) for n in names}
+    starved = dict.fromkeys(names, 0)
+    order = np.random.default_rng(seed)
+    # A collection pause inside one repetition would be charged to whichever path happened to allocate last.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            for j in order.permutation(len(names)):
+                name = names[j]
+                if cuda:
+                    torch.cuda.synchronize(device)
+                    spin(lead_s[name])
+                    start.record()
+                t0 = clock()
+                runners[name]()
+                t1 = clock()
+                host[name][r] = t1 - t0
+                if cuda:
+                    end.record()
+                    end.synchronize()
+                    dev[name][r] = start.elapsed_time(end) * 1e-3
+                    starved[name] += (t1 - t0) > lead_s[name]
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return {n: Samples(host[n], dev[n] if cuda else None, starved[n] if cuda else None) for n in names}
+
+
+def spin_lengths(
+    runners: dict[str, Callable[[], None]],
+    device: torch.device,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, float]:
+    """Per runner, a spin-kernel length in seconds from its median enqueue time over a few rounds."""
+    leads = dict.fromkeys(runners, LEAD_MARGIN_S)
+    probe = interleaved_samples(runners, CALIBRATION_ROUNDS, device, lead_s=leads, seed=1, clock=clock)
+    return {n: LEAD_FACTOR * float(np.median(s.host)) + LEAD_MARGIN_S for n, s in probe.items()}
+
+
+@dataclass
+class PairedCost:
+    """Median over rounds of (path - baseline) and its bootstrap interval, in the samples' unit."""
+
+    median: float
+    low: float
+    high: float
+
+    @property
+    def figure(self) -> float | str:
+        """The median, or BELOW_NOISE when the interval reaches zero: smaller than its own spread."""
+        return self.median if self.low > 0 else BELOW_NOISE
+
+
+def paired_cost(path: np.ndarray, base: np.ndarray, seed: int = 0) -> PairedCost:
+    """The step cost of ``path`` over ``base``, paired round by round (both in round order)."""
+    path, base = np.asarray(path, dtype=np.float64), np.asarray(base, dtype=np.float64)
+    if path.shape != base.shape or path.ndim != 1 or path.size < 2:
+        raise ValueError(
+            f"paired_cost needs two equal-length 1-D sample arrays of at least 2 rounds, got {path.shape} "
+            f"and {base.shape}; run more rounds (--reps)"
+        )
+    diff = path - base
+    rng = np.random.default_rng(seed)
+    medians = np.median(diff[rng.integers(0, diff.size, size=(RESAMPLES, diff.size))], axis=1)
+    tail = (1.0 - CONFIDENCE) / 2 * 100
+    low, high = np.percentile(medians, [tail, 100 - tail])
+    return PairedCost(float(np.median(diff)), float(low), float(high))
+
+
+def ratio(num: float | str | None, den: float | str | None) -> float | str | None:
+    """num / den of two step costs; BELOW_NOISE when either is, None when either was not measured."""
+    if num is None or den is None:
+        return None
+    if isinstance(num, str) or isinstance(den, str):
+        return BELOW_NOISE
+    return num / den
 
 
 def _count_triton_launches(counter: list[int]) -> Callable[[], None]:
@@ -284,8 +436,8 @@ def _outermost(evt, names=("triton_launch",)) -> bool:
     return True
 
 
-def profile_counts(path, params, grads, first: int, count: int, device) -> dict:
-    """Per-step launches, device kernels and device busy microseconds of ``count`` steps (profiler)."""
+def profile_counts(runner: Runner, count: int, device) -> dict:
+    """Per-step launches and device kernels of ``count`` repetitions (profiler): deterministic counts."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -293,7 +445,7 @@ def profile_counts(path, params, grads, first: int, count: int, device) -> dict:
     restore = _count_triton_launches(triton) if device.type == "cpu" else None
     try:
         with torch.profiler.profile(activities=activities) as prof:
-            run_steps(path, params, grads, first, count, device)
+            run_steps(runner, count, device)
     finally:
         if restore is not None:
             restore()
@@ -301,13 +453,11 @@ def profile_counts(path, params, grads, first: int, count: int, device) -> dict:
     if device.type == "cuda":
         gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         launches = sum(1 for e in events if e.name.startswith(LAUNCH_CALLS))
-        kernels = len(gpu)
-        busy = sum(e.time_range.elapsed_us() for e in gpu)
-        return {"launches": launches / count, "kernels": kernels / count, "device_us": busy / count}
+        return {"launches": launches / count, "kernels": len(gpu) / count}
     aten = sum(
         1 for e in events if e.name.startswith("aten::") and e.name not in NO_KERNEL_OPS and _outermost(e)
     )
-    return {"launches": (aten + triton[0]) / count, "kernels": None, "device_us": None}
+    return {"launches": (aten + triton[0]) / count, "kernels": None}
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -317,46 +467,85 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-def measure_set(name, spec, paths, device, steps, warmup, profile_steps, block) -> list[dict]:
-    results, finals = {}, {}
-    for path_name in ("backward_only", *paths):
-        cls = BackwardOnly if path_name == "backward_only" else PATH_CLASSES[path_name]
-        params, cfgs, states = build(spec, device)
-        grads = Gradients(params)
-        path = cls(params, cfgs, states, device, block)
-        run_steps(path, params, grads, 0, warmup, device)
-        times = run_steps(path, params, grads, warmup, steps, device, timed=True)
-        counts = profile_counts(path, params, grads, warmup + steps, profile_steps, device)
-        results[path_name] = {"host_us": statistics.median(times) * 1e6, **counts}
-        finals[path_name] = (params, states)
+def _us(value: float | str) -> float | str:
+    return value * 1e6 if isinstance(value, float) else value
 
-    base = results["backward_only"]
-    rows = []
+
+def _spread_us(samples: np.ndarray) -> list[float]:
+    return [float(q) * 1e6 for q in np.percentile(samples, [25, 75])]
+
+
+BASELINE = "backward_only"
+NOT_COMPARED = ("torch_adam",)  # other arithmetic: timed, not compared bit for bit
+
+
+def measure_set(
+    name, spec, paths, device, reps, warmup, profile_steps, block, classes=None, seed=0
+) -> list[dict]:
+    """The ``backward_only`` row, then one row per path of ``paths`` (classes: name -> path class)."""
+    classes = {BASELINE: BackwardOnly, **PATH_CLASSES} if classes is None else classes
+    names = [BASELINE, *paths]
+    runners, finals = {}, {}
+    for path_name in names:
+        params, cfgs, states = build(spec, device)
+        runners[path_name] = Runner(
+            classes[path_name](params, cfgs, states, device, block), params, Gradients(params)
+        )
+        finals[path_name] = (params, states)
+        run_steps(runners[path_name], warmup, device)
+    lead_s = spin_lengths(runners, device) if device.type == "cuda" else None
+    samples = interleaved_samples(runners, reps, device, lead_s=lead_s, seed=seed)
+    counts = {n: profile_counts(runners[n], profile_steps, device) for n in names}
+
+    base = samples[BASELINE]
     n_elements = sum(torch.Size(s[1]).numel() for s in spec)
-    for path_name in paths:
-        r = results[path_name]
+    rows, host_cost = [], {}
+    for path_name in names:
+        got = samples[path_name]
         row = {
             "set": name,
             "tensors": len(spec),
             "elements": n_elements,
-            "dtypes": len({s[2] for s in spec}),
+            "dtypes": len({entry[2] for entry in spec}),
             "path": path_name,
-            "host_us": r["host_us"] - base["host_us"],
-            "device_us": None if r["device_us"] is None else r["device_us"] - base["device_us"],
-            "launches": r["launches"] - base["launches"],
-            "kernels": None if r["kernels"] is None else r["kernels"] - base["kernels"],
+            "host_us": None,
+            "host_us_ci": None,
+            "device_us": None,
+            "device_us_ci": None,
         }
+        if path_name != BASELINE:
+            host = paired_cost(got.host, base.host, seed)
+            host_cost[path_name] = host.figure
+            row["host_us"], row["host_us_ci"] = _us(host.figure), [host.low * 1e6, host.high * 1e6]
+            if got.device is not None:
+                dev = paired_cost(got.device, base.device, seed)
+                row["device_us"], row["device_us_ci"] = _us(dev.figure), [dev.low * 1e6, dev.high * 1e6]
+        row["total_host_us"] = float(np.median(got.host)) * 1e6
+        row["total_host_iqr"] = _spread_us(got.host)
+        row["total_device_us"] = None if got.device is None else float(np.median(got.device)) * 1e6
+        row["total_device_iqr"] = None if got.device is None else _spread_us(got.device)
+        row["starved"] = got.starved
+        other = counts[BASELINE]
+        if path_name == BASELINE:
+            row["launches"] = row["kernels"] = (
+                None  # the figures below are the Adam step's, backward excluded
+            )
+        else:
+            row["launches"] = counts[path_name]["launches"] - other["launches"]
+            kernels = counts[path_name]["kernels"]
+            row["kernels"] = None if kernels is None else kernels - other["kernels"]
         rows.append(row)
+
     for row in rows:
-        for column, against in (("speedup", "per_param"), ("vs_fused", "fused")):
-            other = results.get(against)
-            ratio_ok = other is not None and row["host_us"] > 0
-            row[column] = (other["host_us"] - base["host_us"]) / row["host_us"] if ratio_ok else None
-        if row["path"] == "torch_adam" or "per_param" not in finals:
+        path_name = row["path"]
+        own = host_cost.get(path_name)
+        row["speedup"] = ratio(host_cost.get("per_param"), own)
+        row["vs_fused"] = ratio(host_cost.get("fused"), own)
+        if path_name == BASELINE or path_name in NOT_COMPARED or "per_param" not in finals:
             row["bitwise"] = None
             continue
         ref_params, ref_states = finals["per_param"]
-        params, states = finals[row["path"]]
+        params, states = finals[path_name]
         row["bitwise"] = all(
             same_bits(p, q)
             and same_bits(s["exp_avg"], t["exp_avg"])
@@ -366,21 +555,45 @@ def measure_set(name, spec, paths, device, steps, warmup, profile_steps, block) 
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
-    def fmt(value, spec):
-        width = "".join(ch for ch in spec.split(".")[0] if ch.isdigit())
-        return f"{'-':>{width}}" if value is None else format(value, spec)
+def _cell(value, width: int, digits: int = 1) -> str:
+    if value is None:
+        return f"{'-':>{width}}"
+    if isinstance(value, str):
+        return f"{value:>{width}}"
+    if isinstance(value, list):
+        return f"{'[' + ', '.join(f'{v:.{digits}f}' for v in value) + ']':>{width}}"
+    if isinstance(value, bool):
+        return f"{str(value):>{width}}"
+    return f"{value:>{width}.{digits}f}"
 
+
+def print_table(rows: list[dict]) -> None:
     print(
-        f"{'set':<10}{'path':<12}{'host us':>11}{'device us':>11}{'launches':>10}{'kernels':>9}"
-        f"{'speedup':>9}{'vs fused':>9}  bitwise"
+        f"{'set':<10}{'path':<14}{'host us':>12}{'host 95% CI':>22}{'device us':>12}{'device 95% CI':>22}"
+        f"{'total host':>12}{'launches':>10}{'kernels':>9}{'speedup':>12}{'vs fused':>12}{'bitwise':>8}"
     )
     for r in rows:
         print(
-            f"{r['set']:<10}{r['path']:<12}{fmt(r['host_us'], '11.1f')}{fmt(r['device_us'], '11.1f')}"
-            f"{fmt(r['launches'], '10.1f')}{fmt(r['kernels'], '9.1f')}{fmt(r['speedup'], '9.2f')}"
-            f"{fmt(r['vs_fused'], '9.2f')}  "
-            f"{'-' if r['bitwise'] is None else r['bitwise']}"
+            f"{r['set']:<10}{r['path']:<14}{_cell(r['host_us'], 12)}{_cell(r['host_us_ci'], 22)}"
+            f"{_cell(r['device_us'], 12)}{_cell(r['device_us_ci'], 22)}{_cell(r['total_host_us'], 12)}"
+            f"{_cell(r['launches'], 10)}{_cell(r['kernels'], 9)}{_cell(r['speedup'], 12, 2)}"
+            f"{_cell(r['vs_fused'], 12, 2)}{_cell(r['bitwise'], 8)}"
+        )
+
+
+def print_short_table(rows: list[dict]) -> None:
+    """The record set's figures the issue's targets are stated in: one line per path, printed last."""
+    print("Adam step over backward only, record set (median of paired rounds, 95% CI; us):")
+    print(
+        f"{'path':<12}{'host us':>12}{'host 95% CI':>22}{'device us':>12}{'x fewer host us':>17}"
+        f"{'bitwise':>8}"
+    )
+    for r in rows:
+        if r["set"] != "record" or r["path"] == BASELINE:
+            continue
+        print(
+            f"{r['path']:<12}{_cell(r['host_us'], 12)}{_cell(r['host_us_ci'], 22)}{_cell(r['device_us'], 12)}"
+            f"{_cell(r['speedup'], 17, 2)}{_cell(r['bitwise'], 8)}"
         )
 
 
@@ -388,12 +601,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, from {SETS}")
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="the record set only (same as --sets record), and a short table of its step costs last",
+    )
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, from {PATHS}")
     parser.add_argument(
-        "--steps", type=int, default=None, help="timed Adam steps (default: 100 on cuda, 3 on cpu)"
+        "--reps",
+        type=int,
+        default=None,
+        help="interleaved rounds, one repetition of each path per round (default: 300 on cuda, 10 on cpu)",
     )
     parser.add_argument(
-        "--warmup", type=int, default=None, help="untimed steps first (default: 5 on cuda, 1 on cpu)"
+        "--warmup", type=int, default=None, help="untimed steps per path first (default: 5 on cuda, 1 on cpu)"
     )
     parser.add_argument(
         "--profile-steps", type=int, default=None, help="steps under the profiler (default 5 / 1)"
@@ -401,8 +622,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--block", type=int, default=None, help="kernel block (default: 1024 cuda, 65536 cpu)"
     )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the round order and the bootstrap")
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args(argv)
+
+    sets = [s for s in args.sets.split(",") if s]
+    paths = [p for p in args.paths.split(",") if p]
+    if args.record:
+        if args.sets != ",".join(SETS) and sets != ["record"]:
+            parser.error(f"--record measures the record set only; drop --sets {args.sets}")
+        sets = ["record"]
+    for s in sets:
+        if s not in SETS:
+            parser.error(f"--sets: unknown set {s!r}; choose from {SETS}")
+    for p in paths:
+        if p not in PATHS:
+            parser.error(f"--paths: unknown path {p!r}; choose from {PATHS}")
+    if args.reps is not None and args.reps < 2:
+        parser.error(f"--reps {args.reps}: a paired median and its interval need at least 2 rounds")
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":
@@ -417,15 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         else device
     )
     cuda = device.type == "cuda"
-    sets = [s for s in args.sets.split(",") if s]
-    paths = [p for p in args.paths.split(",") if p]
-    for s in sets:
-        if s not in SETS:
-            parser.error(f"--sets: unknown set {s!r}; choose from {SETS}")
-    for p in paths:
-        if p not in PATHS:
-            parser.error(f"--paths: unknown path {p!r}; choose from {PATHS}")
-    steps = args.steps or (100 if cuda else 3)
+    reps = args.reps or (300 if cuda else 10)
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
     profile_steps = args.profile_steps or (5 if cuda else 1)
     block = args.block or (1024 if cuda else 65536)
@@ -433,11 +662,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in sets:
         spec = RECORD if name == "record" else synthetic_set()
-        rows += measure_set(name, spec, paths, device, steps, warmup, profile_steps, block)
+        rows += measure_set(name, spec, paths, device, reps, warmup, profile_steps, block, seed=args.seed)
     if distributed.is_main():
         print(
-            f"{device}, world size {distributed.world_size()}, {steps} timed steps after {warmup}; "
-            f"block {block}"
+            f"{device}, world size {distributed.world_size()}, {reps} interleaved rounds after {warmup} "
+            f"warmup steps; block {block}"
         )
         print_table(rows)
         if args.out:
@@ -447,11 +676,17 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 "title": "Replicated Adam per Adam step",
                 "world_size": distributed.world_size(),
-                "steps": steps,
+                "rounds": reps,
                 "rows": rows,
                 "notes": [
-                    "host_us, device_us, launches, kernels: per Adam step, the backward excluded "
-                    "(measured alone in the same run and subtracted).",
+                    "host_us, device_us: the Adam step's cost, the median over rounds of (backward + step) "
+                    "minus the backward_only baseline of the same round (interleaved in a seeded order); "
+                    f"*_ci: bootstrap {CONFIDENCE:.0%} interval of that median. A cost whose interval "
+                    f'reaches zero is "{BELOW_NOISE}", and so is any ratio made from it.',
+                    "total_*: median of a whole repetition (backward + step), *_iqr its interquartile range; "
+                    "device times from CUDA events behind a spin kernel longer than the enqueue; starved: "
+                    "repetitions whose enqueue outlasted it.",
+                    "launches, kernels: per Adam step from the profiler, the baseline's subtracted.",
                     "At world size 1 the collectives are no-ops; torchrun with several processes includes "
                     "them.",
                     "bitwise: parameters and moments after warmup + timed + profiled steps equal the "
@@ -460,6 +695,8 @@ def main(argv: list[str] | None = None) -> int:
             }
             write_bench_json(args.out, payload)
             print(f"wrote {args.out}")
+        if args.record:
+            print_short_table(rows)
     distributed.destroy()
     return 0
 

@@ -1,48 +1,232 @@
-"""perf/bench_replicated_adam.py on the CPU: it runs every path, counts launches, checks the paths agree."""
+"""perf/bench_replicated_adam.py on the CPU: the paired interleaved method, the paths, launches, agreement."""
 
 import json
+import time
 
+import numpy as np
 import pytest
 
 from tests.perf_scripts import load_perf_script
 
-
-def _load_bench():
-    return load_perf_script("bench_replicated_adam")
+bench = load_perf_script("bench_replicated_adam")
+CPU = bench.torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def bench_result(tmp_path_factory):
-    bench = _load_bench()
     out = tmp_path_factory.mktemp("bench") / "replicated_adam.json"
     paths = ",".join(bench.PATHS)
-    argv = ["--device", "cpu", "--sets", "synthetic", "--paths", paths, "--steps", "2", "--warmup", "1"]
+    argv = ["--device", "cpu", "--sets", "synthetic", "--paths", paths, "--reps", "3", "--warmup", "1"]
     assert bench.main([*argv, "--profile-steps", "1", "--out", str(out)]) == 0
-    return bench, json.loads(out.read_text())
+    return json.loads(out.read_text())
 
 
-def test_bench_writes_one_row_per_path_with_provenance(bench_result):
-    bench, payload = bench_result
+def test_bench_writes_the_baseline_row_then_one_row_per_path_with_provenance(bench_result):
+    payload = bench_result
     for key in ("command", "date", "device", "torch", "triton", "rows"):
         assert key in payload
-    assert [r["path"] for r in payload["rows"]] == list(bench.PATHS)
+    assert [r["path"] for r in payload["rows"]] == [bench.BASELINE, *bench.PATHS]
     assert all(r["set"] == "synthetic" and r["tensors"] == 100 for r in payload["rows"])
 
 
+def test_every_step_cost_is_a_positive_number_or_below_noise_and_cpu_has_no_device_time(bench_result):
+    for row in bench_result["rows"][1:]:
+        cost = row["host_us"]
+        assert cost == bench.BELOW_NOISE or (isinstance(cost, float) and cost > 0), row
+        low, high = row["host_us_ci"]
+        assert low <= high
+        assert row["device_us"] is None and row["device_us_ci"] is None and row["total_device_us"] is None
+        assert row["total_host_us"] > 0
+
+
 def test_fused_paths_are_bitwise_equal_to_the_per_parameter_path(bench_result):
-    _, payload = bench_result
-    rows = {r["path"]: r for r in payload["rows"]}
+    rows = {r["path"]: r for r in bench_result["rows"]}
     assert rows["per_param"]["bitwise"] is True
-    assert all(r["bitwise"] is True for name, r in rows.items() if name not in ("per_param", "torch_adam"))
+    compared = [name for name in rows if name not in ("per_param", "torch_adam", bench.BASELINE)]
+    assert compared == ["fused", "device"]
+    assert all(rows[name]["bitwise"] is True for name in compared)
     assert rows["torch_adam"]["bitwise"] is None
 
 
 def test_fused_launches_are_counted_and_far_fewer_than_per_parameter(bench_result):
-    _, payload = bench_result
-    rows = {r["path"]: r for r in payload["rows"]}
+    rows = {r["path"]: r for r in bench_result["rows"]}
     # Counted from the profiler (aten ops) plus the Triton launches: a hundred tensors cost the per-parameter
     # path hundreds of ops; the fused path a copy, a table upload and a kernel per dtype.
     assert rows["per_param"]["launches"] >= 100 * 5
     assert 2 <= rows["fused"]["launches"] <= 4 * 2
     # The device mode: one table upload, the table kernel and one Adam kernel for every dtype.
     assert 2 <= rows["device"]["launches"] <= rows["fused"]["launches"]
+
+
+# ---- the method, on runners whose cost is known -----------------------------------------------------------
+
+
+class FakeClock:
+    """A clock that moves only when a runner says how long it took: exact, noise-free repetitions."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def takes(self, seconds: float):
+        def run() -> None:
+            self.now += seconds
+
+        return run
+
+
+def test_rounds_run_every_runner_once_each_in_a_varying_order():
+    log = []
+    runners = {name: (lambda name=name: log.append(name)) for name in ("backward_only", "a", "b")}
+    samples = bench.interleaved_samples(runners, 20, CPU)
+    rounds = [tuple(log[i : i + 3]) for i in range(0, len(log), 3)]
+    assert len(rounds) == 20 and all(sorted(r) == ["a", "b", "backward_only"] for r in rounds)
+    assert len(set(rounds)) > 1  # the order is shuffled per round, so no path always runs first
+    assert all(s.host.shape == (20,) and s.device is None for s in samples.values())
+
+
+def test_identical_repetitions_cost_below_noise_not_zero():
+    clock = FakeClock()
+    runners = {"backward_only": clock.takes(100e-6), "same": clock.takes(100e-6)}
+    samples = bench.interleaved_samples(runners, 30, CPU, clock=clock)
+    cost = bench.paired_cost(samples["same"].host, samples["backward_only"].host)
+    assert cost.median == 0.0
+    assert cost.figure == bench.BELOW_NOISE
+
+
+def test_a_difference_inside_its_noise_is_below_noise_and_the_same_difference_outside_it_a_number():
+    rng = np.random.default_rng(3)
+    base = 100.0 + rng.normal(0.0, 1.0, 200)
+    noisy = base + 5.0 + rng.normal(0.0, 50.0, 200)
+    assert bench.paired_cost(noisy, base).figure == bench.BELOW_NOISE
+    quiet = base + 5.0 + rng.normal(0.0, 0.5, 200)
+    figure = bench.paired_cost(quiet, base).figure
+    # 200 rounds with 0.5 of noise: the median sits within a few tenths of the planted 5.
+    assert isinstance(figure, float) and figure == pytest.approx(5.0, abs=0.3)
+
+
+def test_pairing_by_round_cancels_drift_that_both_share():
+    # Both drift by 200 over the run (a clock ramp, a warming GPU); the path costs 3 more in every round.
+    drift = np.linspace(0.0, 200.0, 300)
+    base = 100.0 + drift
+    path = base + 3.0 + np.random.default_rng(4).normal(0.0, 0.2, 300)
+    cost = bench.paired_cost(path, base)
+    assert isinstance(cost.figure, float) and 2.9 < cost.low <= cost.high < 3.1  # noise 0.2, 300 rounds
+
+
+def test_paired_cost_refuses_unequal_or_too_short_samples():
+    with pytest.raises(ValueError, match="equal-length"):
+        bench.paired_cost(np.ones(3), np.ones(4))
+    with pytest.raises(ValueError, match="--reps"):
+        bench.paired_cost(np.ones(1), np.ones(1))
+
+
+def test_ratios_are_made_only_from_figures_above_noise():
+    assert bench.ratio(10.0, 4.0) == 2.5
+    assert bench.ratio(10.0, bench.BELOW_NOISE) == bench.BELOW_NOISE
+    assert bench.ratio(bench.BELOW_NOISE, 4.0) == bench.BELOW_NOISE
+    assert bench.ratio(None, 4.0) is None
+
+
+def _sleeps(seconds: float):
+    class Sleeping(bench.BackwardOnly):
+        def step(self) -> None:
+            super().step()
+            time.sleep(seconds)
+
+    return Sleeping
+
+
+@pytest.fixture(scope="module")
+def planted_rows():
+    # The baseline sleeps 1 ms after its backward; "per_param" (a stand-in with the same backward) 5 ms, so it
+    # costs 4 ms more; "quick" is the bare backward: cheaper than the baseline, so no cost to report.
+    classes = {"backward_only": _sleeps(1e-3), "per_param": _sleeps(5e-3), "quick": bench.BackwardOnly}
+    rows = bench.measure_set("record", bench.RECORD, ["per_param", "quick"], CPU, 15, 1, 1, 65536, classes)
+    return {r["path"]: r for r in rows}
+
+
+def test_a_planted_sleep_is_measured_above_noise(planted_rows):
+    row = planted_rows["per_param"]
+    # time.sleep waits at least its time, so the planted gap is 4 ms give or take oversleep; only the baseline
+    # oversleeping by 2 ms in most of the 15 rounds (a loaded CPU's worst) would halve the median.
+    assert isinstance(row["host_us"], float) and row["host_us"] > 2000.0
+    assert row["host_us_ci"][0] > 0
+    assert row["speedup"] == 1.0
+
+
+def test_a_path_no_slower_than_the_baseline_is_below_noise_never_negative(planted_rows):
+    row = planted_rows["quick"]
+    assert row["host_us"] == bench.BELOW_NOISE
+    assert row["host_us_ci"][1] < 0  # it is in fact about 1 ms cheaper: still no negative figure
+    assert row["speedup"] == bench.BELOW_NOISE  # per_param's 4 ms over a cost below noise: no ratio
+
+
+def test_results_md_shows_below_noise_verbatim(planted_rows):
+    results = load_perf_script("results")
+    lines = results.render_table(list(planted_rows.values()))
+    quick = next(line for line in lines if "| quick |" in line)
+    assert "| below noise |" in quick
+
+
+def test_record_flag_measures_the_record_set_and_prints_a_short_table_last(tmp_path, capsys):
+    out = tmp_path / "ra.json"
+    argv = ["--device", "cpu", "--record", "--paths", "per_param,device", "--reps", "2", "--out", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["set"] for r in rows} == {"record"} and rows[1]["tensors"] == 13
+    lines = capsys.readouterr().out.rstrip("\n").splitlines()
+    assert lines[-4].startswith("Adam step over backward only, record set")
+    assert lines[-3].split()[:2] == ["path", "host"]
+    assert [line.split()[0] for line in lines[-2:]] == ["per_param", "device"]
+
+
+def test_record_flag_with_another_set_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--record", "--sets", "synthetic"])
+    assert "--record measures the record set only" in capsys.readouterr().err
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's events, spin kernel and sync over a FakeClock: the CUDA branch's bookkeeping on a CPU."""
+    clock = FakeClock()
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = clock.now
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3  # milliseconds, as CUDA events report
+
+    def spin(cycles):
+        clock.now += cycles / 2e9  # a 2 GHz clock
+
+    torch = bench.torch
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", spin)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    return clock
+
+
+def test_cuda_repetitions_get_event_device_times_in_seconds_and_count_starved_spins(fake_cuda):
+    clock = fake_cuda
+    runners = {"backward_only": clock.takes(100e-6), "slow": clock.takes(2e-3)}
+    cuda = bench.torch.device("cuda")
+    leads = bench.spin_lengths(runners, cuda, clock)
+    assert leads == pytest.approx({"backward_only": 3 * 100e-6 + 200e-6, "slow": 3 * 2e-3 + 200e-6})
+    samples = bench.interleaved_samples(
+        runners, 8, cuda, lead_s={"backward_only": 1e-3, "slow": 1e-3}, clock=clock
+    )
+    assert samples["slow"].device == pytest.approx(np.full(8, 2e-3))
+    assert samples["slow"].starved == 8 and samples["backward_only"].starved == 0
+    with pytest.raises(ValueError, match="lead_s"):
+        bench.interleaved_samples(runners, 2, cuda, clock=clock)
