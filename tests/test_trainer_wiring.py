@@ -27,7 +27,9 @@ SPLIT = 5
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    cfg = short_cfg(str(tmp_path_factory.mktemp("wiring")), "checkpoint.every=0", "schedule.cooldown_frac=0.5")
+    cfg = short_cfg(
+        str(tmp_path_factory.mktemp("wiring")), "checkpoint.every=0", "schedule.cooldown_frac=0.5"
+    )
     cfg.schedule.stages = STAGES
     cfg.schedule.split_embed_step = SPLIT
     cfg.schedule.rail_warmup_steps, cfg.schedule.rail_cooldown_steps = 3, 3
@@ -119,7 +121,8 @@ def test_model_receives_the_planned_windows_and_mtp_weights_on_every_microbatch(
 
 def test_embedding_splits_in_model_and_optimizer_at_the_planned_step_only(recorded):
     t, calls = recorded
-    assert calls["split_model"] == calls["split_opt"] == [p.step for p in plans(t) if p.split_embed] == [SPLIT]
+    assert (
+        calls["split_model"] == calls["split_opt"] == [p.step for p in plans(t) if p.split_embed] == [SPLIT]
+    )
     assert "tied_to" not in t.model.param_table()["embed"] and not t.opt.tied
     assert bool(t.model.embed_is_split)
-
