@@ -1,10 +1,10 @@
 """What the trainer hands the optimizer and the model at every step equals schedule.plan(step).
 
-The run tests (tests/test_train.py) compare runs of the same code with one another, so a trainer that passes
-the wrong schedule value to everyone still agrees with itself. Here the optimizer's and the model's entry points
-are wrapped in one short run (the 1,024-token vocabulary of tests/faults_runs.py, 8 steps over three stages with
-distinct windows, a lerped MTP stage, an lr cooldown, an extension stage and the embedding split) and every
-call is checked against the schedule's own answer.
+The run tests (tests/test_train.py) compare runs of the same code with one another, so a trainer that
+passes the wrong schedule value to everyone still agrees with itself. Here the optimizer's and the model's
+entry points are wrapped in one short run (the 1,024-token vocabulary of tests/faults_runs.py, 8 steps over
+three stages with distinct windows, a lerped MTP stage, an lr cooldown, an extension stage and the embedding
+split) and every call is checked against the schedule's own answer.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """An independent statement of the GPT's forward, for tests/model/test_forward_reference.py.
 
-Written from the model's definition (the docstring of track_1_short/model/gpt.py and of its attention and
-layers modules), not from its code paths: float64 throughout, one token-by-token document bookkeeping, one full
+Written from the model's definition (the docstrings of track_1_short/model/gpt.py, attention.py and
+layers.py), not from its code paths: float64 throughout, one token-by-token document bookkeeping, one full
 [S, S] masked softmax per layer, rotary positions counted inside each document (attention only sees position
 differences, so this must equal the model's packed-stream positions), and no shared helper from the package.
 It reads the model's parameters and rotary buffers and nothing else.
@@ -208,7 +208,7 @@ def reference_hidden(model, inputs, cu_seqlens, windows, drop=frozenset()) -> to
     cache = {0: x}
     late = cfg.late_input_layer
     last = L - 1
-    late_in = last_input = mlp_in = None
+    last_input = mlp_in = None
     for i in range(L):
         mu = None
         if i == p_layer:
@@ -222,7 +222,7 @@ def reference_hidden(model, inputs, cu_seqlens, windows, drop=frozenset()) -> to
                 x = x + lanes[("x0", i)] * x0
         else:
             if i > late and "late_input" not in drop:
-                late_in = inp = _rms(cache[late])
+                inp = _rms(cache[late])
             else:
                 inp = _rms(x)
             kind = 1 if i in long_layers else 0

@@ -11,7 +11,8 @@ Each round is written with the smaller Gram matrix: for a tall X (rows > cols) A
 X <- a X + X (b A + c A^2); otherwise A = X X^T and X <- a X + (b A + c A^2) X. The normalisation is free: the
 first Gram is taken on the raw input and its trace is ||X||_F^2 >= s_max^2, so dividing X by
 d = margin * sqrt(trace) * BF16_HEADROOM + eps (and A by d^2) bounds every singular value by 1/margin, bf16
-rounding included, without a separate norm pass. Matmuls run in bf16 with fp32 accumulation (torch's bmm/baddbmm); the scaling runs in fp32.
+rounding included, without a separate norm pass. Matmuls run in bf16 with fp32 accumulation (torch's
+bmm/baddbmm); the scaling runs in fp32.
 
 Provenance: the maps and the trace trick are those of the upstream record "#360 (ANVIL2)"
 (``ANVIL_MAPS``, ``FROBENIUS_MARGIN``, ``FROBENIUS_EPS`` in modded-nanogpt's
