@@ -22,6 +22,8 @@ from track_1_short.checkpoint import CheckpointError
 from track_1_short.guards import GuardConfig, GuardConfigError, NonFiniteGradError, checksums, nonfinite_flags
 from track_1_short.optim.anvil import OptimizerStateError
 
+pytestmark = pytest.mark.slow  # every test trains runs or kills processes
+
 ROOT = Path(__file__).resolve().parents[1]
 CKPT = ["checkpoint.every=2", "checkpoint.keep_last=0"]
 

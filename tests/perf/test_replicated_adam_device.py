@@ -190,6 +190,7 @@ def _rank_weights(params, rank, step):
     return [torch.randint(-63, 64, p.shape, generator=gen) / 64 for p in params]
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_in_device_mode_agree_and_equal_one_process_fed_the_averaged_gradients():
     steps = 4
     r0, r1 = ([unpack(x) for x in r] for r in run_ranks(_device_rank_worker, 2, steps))
