@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from tests.distributed_harness import run_ranks
@@ -28,6 +29,7 @@ def _collectives_worker(rank, world_size):
     return x, shard, full
 
 
+@pytest.mark.slow
 def test_two_rank_avg_scatter_gather():
     (x0, s0, f0), (x1, s1, f1) = run_ranks(_collectives_worker, 2)
     assert torch.equal(x0, torch.full((4,), 1.5)) and torch.equal(x1, x0)

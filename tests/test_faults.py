@@ -22,6 +22,8 @@ from track_1_short.checkpoint import CheckpointError
 from track_1_short.guards import GuardConfig, GuardConfigError, NonFiniteGradError, checksums, nonfinite_flags
 from track_1_short.optim.anvil import OptimizerStateError
 
+pytestmark = pytest.mark.slow  # every test trains runs or kills processes
+
 ROOT = Path(__file__).resolve().parents[1]
 CKPT = ["checkpoint.every=2", "checkpoint.keep_last=0"]
 
@@ -430,3 +432,27 @@ def test_bad_guard_settings_are_refused_naming_the_field(fresh):
             opt.states,
             opt.replicated_labels,
         )
+
+
+@pytest.mark.parametrize(
+    "keep_last, mode, step, overrides, latest",
+    [
+        # Checkpoints at 2 and 4; killed before latest moves to 4: pruning to one must not have run yet.
+        (1, "latest", 4, [], 2),
+        # Killed after the checkpoint at 4 was written, latest moved and step 2's file pruned.
+        (1, "step", 5, [], 4),
+        # Adam every step, a checkpoint every step: pruning to two ran at 3, then killed before latest moves.
+        (2, "latest", 4, ["optim.adam_every=1", "checkpoint.every=1"], 3),
+    ],
+)
+def test_pruned_checkpoints_under_kill_leave_latest_naming_a_file_that_loads(
+    tmp_path, keep_last, mode, step, overrides, latest
+):
+    die(tmp_path, mode, step, f"checkpoint.keep_last={keep_last}", *overrides)
+    ckpts = tmp_path / "killed" / "checkpoints"
+    named = checkpoint.resolve(ckpts)
+    assert named.is_file() and named.name == checkpoint.checkpoint_name(latest)
+    assert checkpoint.load(ckpts)["step"] == latest
+    # At most keep_last kept, plus the one written but not yet named when the kill came between the two.
+    kept = [p.name for p in checkpoint.list_checkpoints(ckpts)]
+    assert len(kept) <= keep_last + (mode == "latest") and named.name in kept, kept

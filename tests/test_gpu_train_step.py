@@ -78,6 +78,7 @@ def test_one_compiled_track1_step_is_finite_moves_every_trained_parameter_and_lo
     assert must_move <= moved, f"trained but unchanged: {sorted(must_move - moved)}"
 
 
+@pytest.mark.slow
 def test_bench_runs_tiny_on_cpu_and_writes_what_results_renders(tmp_path):
     out = tmp_path / "train_step.json"
     # One stage, one step of each kind after the warm-up: the smallest run that fills every field.

@@ -162,6 +162,7 @@ def test_run_gpu_refuses_an_unknown_stage(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU failure; this machine has a GPU")
 def test_run_gpu_without_a_gpu_fails_loudly_and_still_copies_its_log(tmp_path):
     proc = run_gpu_sh("tests", out=tmp_path / "out")

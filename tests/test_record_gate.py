@@ -285,6 +285,7 @@ def test_plot_is_a_png_of_the_expected_size(tmp_path, capsys):
         assert imread(path).shape[:2] == (572, 1760)  # figsize 16 x 5.2 in at 110 dpi
 
 
+@pytest.mark.slow
 def test_cli_script_runs_and_exits_with_the_decision(tmp_path):
     script = REPO / "tools" / "record_gate.py"
     out = [tmp_path / "s.md", tmp_path / "s.png"]

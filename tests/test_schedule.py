@@ -114,3 +114,53 @@ def test_every_schedule_preset_is_valid():
     for path in sorted((CONFIGS / "schedule").glob("*.yaml")):
         cfg = load(path.stem)
         assert schedule.total_steps(cfg) > 0
+
+
+# -- exact endpoints, on a schedule small enough to state every value by hand --
+M0, M1, FLOOR = 2.0, 1.0, 0.25  # stage lr multipliers and the floor: exact binary fractions
+HAND = ScheduleConfig(
+    stages=[
+        StageConfig(steps=10, lr_mul=M0, window_short=1, window_long=2, mtp_weights=[1.0, 0.5, 0.25],
+                    mtp_weights_end=[1.0, 0.0, 0.75]),
+        StageConfig(steps=10, lr_mul=M1, batch_tokens=4096, window_short=2, window_long=4),
+        StageConfig(steps=4, lr_mul=M0, extension=True),
+    ],
+    cooldown_frac=0.4,  # main stages 20 steps: the cooldown runs from step 12 to the floor at step 20
+    lr_floor=FLOOR,
+    rail_beta_start=0.5,
+    rail_beta_peak=0.75,
+    rail_beta_end=0.25,
+    rail_warmup_steps=4,
+    rail_cooldown_steps=8,  # of the 24 steps: from step 16
+)  # fmt: skip
+
+
+def test_lr_cooldown_starts_where_stated_and_reaches_the_floor_exactly_where_the_main_stages_end():
+    lr = [schedule.lr_multiplier(HAND, s) for s in range(24)]
+    assert lr[:10] == [M0] * 10 and lr[10:13] == [M1] * 3  # flat until the cooldown's first step, 12
+    # Linear from M1 at step 12 to FLOOR at step 20: step 12 + k is k/8 of the way.
+    for k in range(8):
+        assert lr[12 + k] == pytest.approx(M1 + (FLOOR - M1) * k / 8, rel=1e-15, abs=0), 12 + k
+    assert lr[19] == pytest.approx(FLOOR + (M1 - FLOOR) / 8, rel=1e-15) and lr[19] > FLOOR
+    assert lr[20:] == [FLOOR] * 4  # the floor from the end of the main stages, extension included
+
+
+def test_rail_beta_warmup_and_cooldown_endpoints_are_exact():
+    beta = [schedule.rail_beta(HAND, s) for s in range(24)]
+    assert beta[0] == 0.5 and beta[4] == 0.75 and beta[15] == 0.75 and beta[16] == 0.75
+    assert beta[3] == pytest.approx(0.5 + 0.25 * 3 / 4, rel=1e-15) and beta[3] < 0.75
+    # The cooldown heads for rail_beta_end one step after the last: 7/8 of the way at step 23.
+    assert beta[23] == pytest.approx(0.75 - 0.5 * 7 / 8, rel=1e-15) and beta[23] > 0.25
+    assert beta[17] == pytest.approx(0.75 - 0.5 / 8, rel=1e-15)
+
+
+def test_stage_boundaries_and_the_mtp_taper_are_exact():
+    last0, first1 = schedule.plan(HAND, 9, 2), schedule.plan(HAND, 10, 2)
+    assert (last0.stage, last0.windows, last0.batch_tokens) == (0, (1, 2), 8192)
+    assert (first1.stage, first1.windows, first1.batch_tokens) == (1, (2, 4), 4096)
+    assert schedule.plan(HAND, 20, 2).stage == 2 and schedule.plan(HAND, 19, 2).stage == 1
+    # The taper runs from the stage's first step (mtp_weights) to its last (mtp_weights_end), linearly.
+    assert schedule.mtp_weights(HAND, 0) == [1.0, 0.5, 0.25]
+    assert schedule.mtp_weights(HAND, 9) == [1.0, 0.0, 0.75]
+    assert schedule.mtp_weights(HAND, 3) == pytest.approx([1.0, 0.5 - 0.5 / 3, 0.25 + 0.5 / 3], rel=1e-15)
+    assert first1.mtp_weights == (1.0,)

@@ -290,6 +290,7 @@ def test_command_help_lists_the_generator_parameters(capsys):
     assert all(flag in out for flag in ("--dir", "--seed", "--train-tokens", "--copy-lengths", "--end-prob"))
 
 
+@pytest.mark.slow
 def test_module_runs_as_a_command(tmp_path):
     argv = ["--dir", str(tmp_path), "--train-tokens", "5000", "--val-tokens", "1000", "--seed", "3"]
     out = subprocess.run(

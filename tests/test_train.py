@@ -21,6 +21,8 @@ from tests.distributed_harness import run_ranks
 from track_1_short import checkpoint, run_log, trainer
 from track_1_short.schedule import StageConfig
 
+pytestmark = pytest.mark.slow  # every test trains runs or starts the CLI
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 STEPS = (5, 3)  # two stages, 8 steps: a stage transition, Adam and non-Adam steps

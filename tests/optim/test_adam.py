@@ -147,3 +147,31 @@ def test_compiled_cuda_step_agrees_with_the_cpu_reference_to_a_few_ulps():
     v_terms = (beta2 * v0).abs() + ((1 - beta2) * g * g).abs()
     assert ((s_gpu["exp_avg"].cpu() - s_cpu["exp_avg"]).abs() <= 2 * eps32 * m_terms).all()
     assert ((s_gpu["exp_avg_sq"].cpu() - s_cpu["exp_avg_sq"]).abs() <= 2 * eps32 * v_terms).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cautious_decay_is_strict_where_the_update_is_exactly_zero(dtype):
+    # u = 0 exactly (zero gradient and zero first moment) on nonzero parameters of both signs: u * p = 0,
+    # so the strict gate applies no decay and p stays bitwise; a gate of u * p >= 0 would shrink every one.
+    p = torch.tensor([1.5, -0.75, 3.0, -2.0]).to(dtype)
+    before = p.clone()
+    m, v = torch.zeros(4), torch.full((4,), 1e-4)
+    step_size, eff_wd = torch.tensor(1e-2), torch.tensor(0.1)
+    adam.adam_step_(p, torch.zeros(4, dtype=dtype), m, v, 0.9, 0.99, 1e-10, step_size, eff_wd)
+    assert_bitwise(p, before, "param with u = 0")
+    # The control: with gradients of p's sign the same decay does apply (u * p > 0).
+    q = before.clone()
+    adam.adam_step_(q, before.sign(), torch.zeros(4), torch.zeros(4), 0.9, 0.99, 1e-10, step_size, eff_wd)
+    undecayed = before.clone()
+    adam.adam_step_(
+        undecayed,
+        before.sign(),
+        torch.zeros(4),
+        torch.zeros(4),
+        0.9,
+        0.99,
+        1e-10,
+        step_size,
+        torch.tensor(0.0),
+    )
+    assert ((q.float() - undecayed.float()).abs() > 0).all()

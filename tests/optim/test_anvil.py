@@ -152,6 +152,7 @@ def _world_worker(rank: int, world: int, impl: str, other: bytes) -> bytes:
         (3, "reference"),
     ],
 )
+@pytest.mark.slow
 def test_ranks_match_one_process_fed_averaged_grads_and_state_moves_between_world_sizes(world, impl):
     # The single-process reference: world 1, fed the exact average of the ranks' gradients.
     averaged = lambda s: fm.mean_grads(s)

@@ -197,3 +197,63 @@ def test_groups_launch_takes_one_or_two_groups():
     b = _valid_buffers()
     with pytest.raises(ValueError, match="one or two groups"):
         K.fused_adam_groups_([tuple(b[:5])] * 3, b[5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_cautious_decay_is_strict_where_the_update_is_exactly_zero(dtype):
+    # As tests/optim/test_adam.py checks the reference: zero gradient and first moment make u = 0 exactly, so
+    # no decay may reach these nonzero parameters; segment 1 (gradients of p's sign) is the decaying control.
+    p = torch.tensor([1.5, -0.75, 3.0, -2.0, 1.5, -0.75]).to(dtype)
+    g = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, -1.0]).to(dtype)
+    segment = torch.tensor([0, 0, 0, 0, 1, 1], dtype=torch.int32)
+    row = [0.9, 1 - 0.9, 0.99, 1 - 0.99, 1e-10, 1e-2, 0.1, 1.0]
+    no_decay = row[:6] + [0.0, 1.0]
+    before = p.clone()
+    K.fused_adam_(p, g, torch.zeros(6), torch.full((6,), 1e-4), segment, torch.tensor([row, row]), block=16)
+    assert_bitwise(p[:4], before[:4], "param with u = 0")
+    control = before.clone()
+    table = torch.tensor([row, no_decay])
+    K.fused_adam_(control, g, torch.zeros(6), torch.full((6,), 1e-4), segment, table, block=16)
+    assert ((p[4:].float() - control[4:].float()).abs() > 0).all()  # decay applied where u * p > 0
+
+
+CANARY = 5  # elements after each buffer: more than the one-element overrun a wrong tail mask makes
+
+
+def _with_canaries(t: torch.Tensor, fill) -> tuple[torch.Tensor, torch.Tensor]:
+    """(view of the first t.numel() elements of a longer buffer holding t, the whole buffer)."""
+    whole = torch.empty(t.numel() + CANARY, dtype=t.dtype)
+    whole[: t.numel()] = t
+    whole[t.numel() :] = fill
+    return whole[: t.numel()], whole
+
+
+def _canary_group(dtype, seed):
+    (params, grads, m, v), steps = _case(dtype, seed=seed)
+    # Canary segment ids name an active row (0): an element read past the end would be updated and stored.
+    fills = (3.0, 1.0, 0.5, 0.25, 0)
+    pairs = [
+        _with_canaries(t, f)
+        for t, f in zip((_flat(params), _flat(grads), _flat(m), _flat(v), _segments()), fills)
+    ]
+    return tuple(view for view, _ in pairs), [whole for _, whole in pairs], steps
+
+
+@pytest.mark.parametrize("launch", ["one group", "two groups, zero_grad"])
+def test_kernel_never_touches_memory_past_its_buffers(launch):
+    group0, wholes0, steps = _canary_group(torch.bfloat16, seed=6)
+    group1, wholes1, _ = _canary_group(torch.float32, seed=7)
+    table_view, table_whole = _with_canaries(_table(steps).reshape(-1), 1.0)
+    table = table_view.view(len(SIZES), K.ROW_STRIDE)
+    wholes = wholes0 + wholes1 + [table_whole]
+    tails = [w[-CANARY:].clone() for w in wholes]
+    assert group0[0].numel() % BLOCK != 0  # the last block is partial: its mask decides
+    if launch == "one group":
+        K.fused_adam_(*group0, table, block=BLOCK)
+        K.fused_adam_(*group1, table, block=BLOCK)
+    else:
+        K.fused_adam_groups_([group0, group1], table, zero_grad=True, block=BLOCK)
+        assert torch.count_nonzero(group0[1]) == 0 and torch.count_nonzero(group1[1]) == 0
+    assert not torch.equal(bits(group0[0]), bits(_flat(_case(torch.bfloat16, seed=6)[0][0])))  # it ran
+    for k, (whole, tail) in enumerate(zip(wholes, tails)):
+        assert_bitwise(whole[-CANARY:], tail, f"canary after buffer {k}")

@@ -263,6 +263,7 @@ def _rank_grads(params, rank, step):
     ]
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_hold_identical_bits_equal_to_one_process_fed_the_averaged_gradients():
     steps = 4
     r0, r1 = (_unpack_result(r) for r in run_ranks(_two_rank_worker, 2, steps))

@@ -1,0 +1,128 @@
+"""What the trainer hands the optimizer and the model at every step equals schedule.plan(step).
+
+The run tests (tests/test_train.py) compare runs of the same code with one another, so a trainer that
+passes the wrong schedule value to everyone still agrees with itself. Here the optimizer's and the model's
+entry points are wrapped in one short run (the 1,024-token vocabulary of tests/faults_runs.py, 8 steps over
+three stages with distinct windows, a lerped MTP stage, an lr cooldown, an extension stage and the embedding
+split) and every call is checked against the schedule's own answer.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.faults_runs import build, short_cfg
+from track_1_short import schedule
+from track_1_short.schedule import StageConfig
+
+STAGES = [
+    StageConfig(steps=4, batch_tokens=512, max_doc_len=256, window_short=1, window_long=2, lr_mul=1.5,
+                mtp_weights=[1.0, 0.5], mtp_weights_end=[1.0, 0.0]),
+    StageConfig(steps=3, batch_tokens=512, max_doc_len=512, window_short=2, window_long=3, lr_mul=1.2),
+    StageConfig(steps=1, batch_tokens=512, max_doc_len=512, window_short=2, window_long=3, lr_mul=1.0,
+                extension=True),
+]  # fmt: skip
+SPLIT = 5
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    cfg = short_cfg(
+        str(tmp_path_factory.mktemp("wiring")), "checkpoint.every=0", "schedule.cooldown_frac=0.5"
+    )
+    cfg.schedule.stages = STAGES
+    cfg.schedule.split_embed_step = SPLIT
+    cfg.schedule.rail_warmup_steps, cfg.schedule.rail_cooldown_steps = 3, 3
+    t = build(cfg)
+    calls: dict[str, list] = {"schedule": [], "step": [], "forward": [], "split_model": [], "split_opt": []}
+    current = {"step": None}
+
+    def wrap(obj, name, record):
+        real = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            out = real(*args, **kwargs)
+            record(*args, **kwargs)
+            return out
+
+        setattr(obj, name, wrapper)
+
+    def on_schedule(lr_multiplier, rail_beta, step):
+        # What the optimizer holds after the call, not only what it was told.
+        applied = {label: c.lr / c.initial_lr for label, c in t.opt.param_cfgs.items() if c.initial_lr}
+        momentum = {label: c.momentum for label, c in t.opt.param_cfgs.items() if c.optim == "anvil"}
+        calls["schedule"].append((current["step"], lr_multiplier, rail_beta, step, applied, momentum))
+
+    real_train_step = t.train_step
+
+    def train_step(step):
+        current["step"] = step
+        try:
+            return real_train_step(step)
+        finally:
+            current["step"] = None
+
+    t.train_step = train_step
+    wrap(t.opt, "set_schedule", on_schedule)
+    wrap(t.opt, "step", lambda do_adam: calls["step"].append((current["step"], do_adam)))
+    wrap(t.opt, "split_embed", lambda: calls["split_opt"].append(current["step"]))
+    wrap(t.model, "split_embed", lambda: calls["split_model"].append(current["step"]))
+    real_forward = t.forward
+
+    def forward(inputs, targets, cu_seqlens, windows, mtp_weights=None):
+        calls["forward"].append((current["step"], tuple(windows), mtp_weights, inputs.numel()))
+        return real_forward(inputs, targets, cu_seqlens, windows, mtp_weights)
+
+    t.forward = forward
+    t.train()
+    return t, calls
+
+
+def plans(t):
+    return [schedule.plan(t.cfg.schedule, s, t.cfg.optim.adam_every) for s in range(t.total_steps)]
+
+
+def test_optimizer_receives_the_planned_lr_multiplier_and_rail_beta_every_step(recorded):
+    t, calls = recorded
+    got = calls["schedule"]
+    assert [c[0] for c in got] == list(range(t.total_steps))
+    for (step, lr_multiplier, rail_beta, step_arg, applied, momentum), plan in zip(got, plans(t)):
+        assert (lr_multiplier, rail_beta, step_arg) == (plan.lr_multiplier, plan.rail_beta, step), step
+        # initial_lr * m / initial_lr: one rounding each way, so equal to m within 2 ulps
+        assert all(v == pytest.approx(plan.lr_multiplier, rel=1e-15) for v in applied.values()), step
+        assert all(m == plan.rail_beta for m in momentum.values()), step
+    # The schedule really varies over this run: a constant would not pass the checks above.
+    assert len({c[1] for c in got}) >= 5 and len({c[2] for c in got}) >= 3
+
+
+def test_optimizer_steps_once_per_step_with_the_planned_adam_cadence(recorded):
+    t, calls = recorded
+    assert calls["step"] == [(p.step, p.do_adam) for p in plans(t)]
+    assert {d for _, d in calls["step"]} == {True, False}
+
+
+def test_model_receives_the_planned_windows_and_mtp_weights_on_every_microbatch(recorded):
+    t, calls = recorded
+    train = [c for c in calls["forward"] if c[0] is not None]
+    by_step: dict[int, list] = {}
+    for step, windows, mtp, tokens in train:
+        by_step.setdefault(step, []).append((windows, mtp, tokens))
+    assert sorted(by_step) == list(range(t.total_steps))
+    for plan in plans(t):
+        micro = by_step[plan.step]
+        assert sum(tokens for *_, tokens in micro) == plan.batch_tokens  # one rank: the global batch
+        for windows, mtp, _ in micro:
+            assert windows == plan.windows, plan.step
+            assert isinstance(mtp, list) and mtp == list(plan.mtp_weights), plan.step
+    assert len({w for _, w, _, _ in train}) == 2 and len({tuple(m) for _, _, m, _ in train}) >= 3
+    val = [c for c in calls["forward"] if c[0] is None]
+    assert val and all(w == schedule.val_windows(t.cfg.schedule) and m is None for _, w, m, _ in val)
+
+
+def test_embedding_splits_in_model_and_optimizer_at_the_planned_step_only(recorded):
+    t, calls = recorded
+    assert (
+        calls["split_model"] == calls["split_opt"] == [p.step for p in plans(t) if p.split_embed] == [SPLIT]
+    )
+    assert "tied_to" not in t.model.param_table()["embed"] and not t.opt.tied
+    assert bool(t.model.embed_is_split)
