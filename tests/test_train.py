@@ -98,7 +98,7 @@ def test_run_directory_follows_the_contract_and_parses_with_the_record_gate(one_
 def test_resumed_run_reproduces_the_uninterrupted_run_bitwise(one_process, tmp_path):
     ckpts = checkpoint.list_checkpoints(one_process.run_dir / "checkpoints")
     assert [p.name for p in ckpts] == ["step_000004.pt", "step_000006.pt"]  # keep_last=2; none at the end
-    # From step 4: crosses the stage transition (5) and the embedding split (6) after resuming.
+    # From step 4: crosses the stage transition (5) and the embedding split (after 6) after resuming.
     resumed = trainer.run(short_cfg(str(tmp_path), MICRO, f"resume={ckpts[0]}"))
     assert resumed.train_losses == one_process.train_losses[4:]
     assert_bitwise_equal(params_of(resumed), params_of(one_process))

@@ -3,8 +3,8 @@
 Upstream's own optimizer calls perf/replicated_adam.py as ``ReplicatedAdam(params, param_cfgs, param_states,
 device)`` with ``param_cfgs`` / ``param_states`` its whole ``{parameter: cfg}`` / ``{parameter: state}`` dicts
 (replicated or not), reads ``group.params`` and ``group.grad_views[p]``, and calls ``adam_scalar_table(params,
-param_cfgs, param_states, active)`` with ``active`` a set. Each test runs that convention next to this project's
-sequences and compares bits.
+param_cfgs, param_states, active)`` with ``active`` a set. Each test runs that convention next to this
+project's sequences and compares bits.
 """
 
 import numpy as np
@@ -16,7 +16,7 @@ from track_1_short.perf.replicated_adam import ReplicatedAdam, adam_scalar_table
 
 
 def _seed_dicts(params, cfgs, states):
-    """The seed's dicts: keyed by parameter, holding one extra (sharded, say) parameter it does not flatten."""
+    """The seed's dicts: keyed by parameter, plus one (sharded, say) parameter it does not flatten."""
     extra = torch.nn.Parameter(torch.zeros(3))
     param_cfgs = {p: c for p, c in zip(params, cfgs)}
     param_states = {p: s for p, s in zip(params, states)}
@@ -83,7 +83,9 @@ def test_adam_scalar_table_takes_active_as_a_set_with_the_same_bits_and_step_cou
     expected = adam_scalar_table(params, cfgs, by_seq, flags)
     got = adam_scalar_table(params, dict(zip(params, cfgs)), by_dict, active_set)  # the seed's call
     assert np.array_equal(got.view(np.int32), expected.view(np.int32))
-    assert [by_dict[p]["step"] for p in params] == [s["step"] for s in by_seq] == [4 if f else 3 for f in flags]
+    assert (
+        [by_dict[p]["step"] for p in params] == [s["step"] for s in by_seq] == [4 if f else 3 for f in flags]
+    )
 
 
 def test_a_mapping_missing_a_parameter_or_a_stray_active_entry_is_refused_before_anything_changes():
@@ -91,7 +93,9 @@ def test_a_mapping_missing_a_parameter_or_a_stray_active_entry_is_refused_before
     param_cfgs, param_states = _seed_dicts(params, cfgs, states)
     del param_states[params[4]]
     before = [p.data_ptr() for p in params]
-    with pytest.raises(ValueError, match=r"param_states is a mapping without an entry for parameter 4 \(resid_lambdas\)"):
+    with pytest.raises(
+        ValueError, match=r"param_states is a mapping without an entry for parameter 4 \(resid_lambdas\)"
+    ):
         ReplicatedAdam(params, param_cfgs, param_states, "cpu")
     assert [p.data_ptr() for p in params] == before  # nothing was flattened
     stray = {torch.nn.Parameter(torch.zeros(1))}
