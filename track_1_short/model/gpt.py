@@ -106,8 +106,8 @@ class ParamTableConfig:
     embed: AdamHyper = _adam(0.5, 0.95, 1.0, 150.0)
     """Token embedding (sharded Adam; optimised only after the split, tied to lm_head before)."""
     value_embeds: AdamHyper = _adam(0.75, 0.95, 70.0, 5.0)
-    """Value-embedding planes (sharded Adam). Upstream squares the betas and doubles wd_mul from step 336, on
-    its sparse update cadence (a schedule concern, not the model's)."""
+    """Value-embedding planes (sharded Adam). From optim.value_embed_period4_start (336) the optimizer updates
+    them every other Adam step with these betas squared and wd_mul doubled (upstream's cadence)."""
     scalars: AdamHyper = _adam(0.9, 0.99, 5.0, 0.0)
     """sa_lambdas, smear_lambda, skip_lambda (replicated, fp32)."""
     smear_gate: AdamHyper = _adam(0.9, 0.99, 0.01, 0.0)
