@@ -137,6 +137,7 @@ class Trainer:
             device,
             bos_id=cfg.data.bos_id,
             vocab_size=cfg.data.vocab_size,
+            attn_segment_cap=cfg.data.attn_segment_cap,
         )
         self.step = 0
         self.train_time_ms = 0.0

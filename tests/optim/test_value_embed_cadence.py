@@ -1,5 +1,6 @@
-"""value_embeds on upstream's n-gram cadence (training.py value_embed_betas_and_wd_mul, ngram_table.is_update_step
-at 55865738): odd steps until 336, then steps = 3 mod 4, with squared betas and wd_mul 10 from 336."""
+"""value_embeds on upstream's n-gram cadence (training.py value_embed_betas_and_wd_mul and
+ngram_table.is_update_step at 55865738): odd steps until 336, then steps = 3 mod 4, with squared betas and
+wd_mul 10 from 336."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def test_cadence_betas_and_wd_mul_are_upstreams_at_every_step_of_the_record():
 
 def test_off_switch_updates_value_embeds_on_every_adam_step():
     cfg = OptimConfig(value_embed_period4_start=-1)
-    assert all(value_embed_cadence(cfg, s, (0.75, 0.95), 5.0) == (True, (0.75, 0.95), 5.0) for s in range(800))
+    assert all(
+        value_embed_cadence(cfg, s, (0.75, 0.95), 5.0) == (True, (0.75, 0.95), 5.0) for s in range(800)
+    )
 
 
 @pytest.mark.parametrize("start", [-2, 6, 3])
@@ -82,7 +85,9 @@ def test_after_the_start_value_embeds_sums_four_steps_and_updates_with_squared_b
             g += fm.rank_grads(k)["value_embeds"]
         event_cfg = copy.copy(table)
         event_cfg.lr = table.initial_lr * lr_multiplier(s)
-        event_cfg.adam_betas, event_cfg.wd_mul = ((0.75, 0.95), 5.0) if s < start else ((0.5625, 0.9025), 10.0)
+        event_cfg.adam_betas, event_cfg.wd_mul = (
+            ((0.75, 0.95), 5.0) if s < start else ((0.5625, 0.9025), 10.0)
+        )
         reference_adam.adam_update_(p, g, state, event_cfg)
     assert torch.equal(ve.detach(), p)
     assert opt.states["value_embeds"]["step"] == 4
