@@ -240,8 +240,10 @@ class Trainer:
                 self.opt.arm_replicated_reduce()
             b = self.loader.next_batch(micro, plan.max_doc_len)
             loss = self.forward(b.inputs, b.targets, b.cu_seqlens, plan.windows, list(plan.mtp_weights))
-            # Per-token mean over this rank's step; the optimizer's reductions average the ranks.
-            (loss / (micro * accum)).backward()
+            # Per-token mean over this rank's step, or (loss_sum_ranks N) the sum over batch/N tokens; the
+            # optimizer's reductions average the ranks.
+            scale = self.cfg.loss_sum_ranks / self.world if self.cfg.loss_sum_ranks else micro * accum
+            (loss / scale).backward()
             loss_sum += loss.detach().float()
         if self.guards.grads_ok(step):  # NaN/inf gradient: stop, or skip the update on every rank
             self.opt.step(plan.do_adam)
