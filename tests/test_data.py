@@ -24,6 +24,7 @@ from track_1_short.data import (
     ValLoader,
     read_shard,
     run_paths,
+    split_attention_segments,
     write_shard,
 )
 
@@ -469,3 +470,48 @@ def test_data_config_rejects_impossible_values(kwargs, words):
 def test_synthetic_config_rejects_impossible_values(kwargs, words):
     with pytest.raises(ValueError, match=words):
         SyntheticConfig(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Attention segments
+
+
+def upstream_segment_ends(doc_ends: list[int], cap: int) -> list[int]:
+    """Upstream data.py split_attention_segments: document ends (cumulative) -> segment ends."""
+    ends, start = [], 0
+    for stop in doc_ends:
+        ends += [*range(start + cap, stop, cap), stop]
+        start = stop
+    return ends
+
+
+@pytest.mark.parametrize("cap", [1, 7, 64, 2560])
+def test_split_attention_segments_is_upstreams_formula(cap):
+    rng = np.random.default_rng(cap)
+    lengths = rng.integers(1, 3 * cap + 5, size=40)
+    cu = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+    expected = [0, *upstream_segment_ends(cu[1:].tolist(), cap)]
+    got = split_attention_segments(cu, cap)
+    assert got.dtype == np.int32 and got.tolist() == expected
+    as_tensor = split_attention_segments(torch.from_numpy(cu), cap)
+    assert as_tensor.dtype == torch.int32 and as_tensor.tolist() == expected
+    assert split_attention_segments(cu, 0) is cu
+
+
+def test_segment_cap_changes_only_cu_seqlens_of_training_batches(corpus):
+    pattern, _ = corpus
+    geometries = [(200, 1000), (64, 32), (128, 90)]
+    plain = run_loaders(pattern, 1, geometries)
+    capped = run_loaders(pattern, 1, geometries, attn_segment_cap=16)
+    for (a,), (b,) in zip(plain, capped):
+        assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
+        assert b.cu_seqlens.dtype == torch.int32
+        assert b.cu_seqlens.tolist() == split_attention_segments(a.cu_seqlens.numpy(), 16).tolist()
+        assert int(torch.diff(b.cu_seqlens).max()) <= 16 < int(torch.diff(a.cu_seqlens).max())
+
+
+def test_the_fineweb_preset_caps_attention_segments_at_upstreams_2560():
+    cfg = OmegaConf.load(REPO / "configs/data/fineweb10B.yaml")
+    assert cfg.attn_segment_cap == 2560  # upstream config.py VIRTUAL_SEQ_CAP
+    with pytest.raises(ValueError, match="attn_segment_cap"):
+        DataConfig(attn_segment_cap=-1)

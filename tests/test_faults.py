@@ -1,7 +1,7 @@
 """Faults and bad input: a run that is killed, corrupted or poisoned loses nothing.
 
 Every run here is the short config of tests/faults_runs.py (the tiny model, 6 steps of 512 tokens, a stage
-transition, the embedding split at step 4, checkpoints every 2 steps), on the CPU, in one process or on two
+transition, the embedding split after step 4, checkpoints every 2 steps), on the CPU, in one process or on two
 gloo ranks. The killed runs are real processes ended by SIGKILL.
 """
 

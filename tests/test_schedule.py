@@ -61,13 +61,29 @@ def test_adam_runs_on_odd_steps_for_cadence_two():
 
 def test_mtp_weights_lerp_across_the_stage(track1):
     assert schedule.mtp_weights(track1, 0) == [1.0, 0.5, 0.25]
-    assert schedule.mtp_weights(track1, 319) == pytest.approx([1.0, 0.5, 0.0], abs=1e-12)
     assert schedule.mtp_weights(track1, 320) == [1.0, 0.5]
     assert schedule.mtp_weights(track1, 700) == [1.0]
 
 
-def test_embed_split_fires_exactly_once_at_the_configured_step(track1):
-    assert [s for s in range(1194) if schedule.embed_split(track1, s)] == [1175]
+@pytest.mark.parametrize("step", [0, 1, 160, 318, 319])
+def test_mtp_ramp_is_upstreams_fraction_of_the_stage_done(track1, step):
+    # Upstream TrainingSchedule.lookup: t = (step - start) / (end - start), end exclusive (stage 0: 320).
+    t = (step - 0) / (320 - 0)
+    expected = [a + (b - a) * t for a, b in zip([1.0, 0.5, 0.25], [1.0, 0.5, 0.0])]
+    assert schedule.mtp_weights(track1, step) == expected
+    t1 = (step + 320 - 320) / (681 - 320)  # stage 1, same offset into it
+    expected1 = [a + (b - a) * t1 for a, b in zip([1.0, 0.5], [1.0, 0.0])]
+    assert schedule.mtp_weights(track1, 320 + step) == expected1
+
+
+def test_taper_lr_mul_is_upstreams_formula_to_the_double(track1):
+    assert track1.stages[3].lr_mul == 1.73 * (20 / 24) ** 0.5  # upstream config.py TAPER_BATCH_UNITS = 20
+
+
+def test_embed_split_follows_the_last_tied_update(track1):
+    # Upstream: step 1175 (odd, an Adam step) updates tied, then copy_lm_state_to_embed; 1176 is untied.
+    assert [s for s in range(1194) if schedule.embed_split(track1, s)] == [1176]
+    assert schedule.do_adam(track1.split_embed_step, 2)
     never = ScheduleConfig(split_embed_step=-1)
     assert not any(schedule.embed_split(never, s) for s in range(schedule.total_steps(never)))
 

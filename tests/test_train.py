@@ -100,7 +100,7 @@ def test_run_directory_follows_the_contract_and_parses_with_the_record_gate(one_
 def test_resumed_run_reproduces_the_uninterrupted_run_bitwise(one_process, tmp_path):
     ckpts = checkpoint.list_checkpoints(one_process.run_dir / "checkpoints")
     assert [p.name for p in ckpts] == ["step_000004.pt", "step_000006.pt"]  # keep_last=2; none at the end
-    # From step 4: crosses the stage transition (5) and the embedding split (6) after resuming.
+    # From step 4: crosses the stage transition (5) and the embedding split (after 6) after resuming.
     resumed = trainer.run(short_cfg(str(tmp_path), MICRO, f"resume={ckpts[0]}"))
     assert resumed.train_losses == one_process.train_losses[4:]
     assert_bitwise_equal(params_of(resumed), params_of(one_process))
@@ -193,3 +193,29 @@ def test_device_replicated_mode_trains_bit_for_bit_like_the_fused_path(one_proce
     assert device.train_losses == one_process.train_losses
     assert device.val_loss == one_process.val_loss
     assert_bitwise_equal(params_of(device), params_of(one_process))
+
+
+def _first_step_grads(runs_root: str, *overrides: str) -> dict[str, torch.Tensor]:
+    """The gradients step 0's optimizer step receives (captured before it consumes them)."""
+    from track_1_short.config import to_object
+
+    cfg = short_cfg(runs_root, MICRO, *overrides)
+    t = trainer.Trainer(to_object(cfg), OmegaConf.to_container(cfg, resolve=True), torch.device("cpu"))
+    seen = {}
+    t.opt.step = lambda do_adam: seen.update({k: p.grad.clone() for k, p in t.opt.params.items()})
+    try:
+        t.train_step(0)
+    finally:
+        t.loader.close()
+        t.log.close()
+    return seen
+
+
+def test_loss_sum_ranks_backprops_upstreams_summed_loss_of_one_of_n_ranks(tmp_path):
+    mean = _first_step_grads(str(tmp_path / "a"))
+    summed = _first_step_grads(str(tmp_path / "b"), "loss_sum_ranks=8")
+    # Upstream differentiates the loss summed over its rank's batch / 8 tokens: 512 / 8 = 64 times the
+    # per-token mean's gradient. A power of two, so the scaled gradients are exact: bitwise.
+    assert mean.keys() == summed.keys() and mean
+    for label in mean:
+        assert torch.equal(summed[label], mean[label] * 64), label

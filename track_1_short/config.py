@@ -63,6 +63,13 @@ class TrainConfig:
     micro_batch_tokens: int = 0
     """Most tokens one rank runs in one forward; batches beyond it accumulate gradients. 0 = no accumulation.
     Fixes the global batch for any world size: 1 rank with 2 microbatches = 2 ranks with one."""
+    loss_sum_ranks: int = 0
+    """How the loss is normalised before backward. 0 = the per-token mean of the step's batch (ours: the
+    gradient's scale does not move with the batch size). N > 0 = upstream's summed loss: the loss summed over
+    the tokens one of N ranks holds (batch_tokens / N), whatever the world size here; N = 8 is the record's
+    (its gradient scale grows with the stage's batch, which changes how Adam's moments, the rails and the
+    epsilons weigh gradients across stage boundaries). The logged train loss is the per-token mean either
+    way."""
     val_every: int = 0
     """Validate every this many steps as well as at the end; 0 = only the final validation (upstream)."""
     log_every: int = 25
@@ -80,7 +87,7 @@ class TrainConfig:
     """Target val loss the record gate tests this preset's runs against; null = none (record: 3.28)."""
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_tokens", "val_every", "check_every"):
+        for name in ("micro_batch_tokens", "val_every", "check_every", "loss_sum_ranks"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0.")
         if self.log_every < 1:

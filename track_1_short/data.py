@@ -16,6 +16,13 @@ the step starts again at the first BOS of the next shard. Validation (:class:`Va
 slices of the first ``val_tokens`` tokens of the val shard, with no alignment. Both follow the upstream loader
 (modded-nanogpt ``distributed_data_generator``, record #92 package) token for token.
 
+Attention segments: with ``DataConfig.attn_segment_cap`` (upstream ``VIRTUAL_SEQ_CAP`` = 2560, on FineWeb) the
+training loader adds a boundary every ``attn_segment_cap`` tokens inside a longer document
+(:func:`split_attention_segments`): attention then never reaches further back than that within a document,
+while the tokens, targets and the loss are unchanged. Only ``cu_seqlens`` changes. Upstream's smear gate and
+key offset ignore ``cu_seqlens``; this model's stop at every boundary it holds, segment boundaries included,
+unless ``model.cross_document_lookback`` is set (upstream's behaviour).
+
 On CUDA the next batch is assembled in a background thread into pinned host memory while the current step
 runs, and the next shard is opened and indexed ahead; the host-to-device copy is asynchronous. On the CPU all
 of this is plain synchronous code.
@@ -146,6 +153,9 @@ class DataConfig:
     (upstream: 2,097,152 = 8 x 262,144)."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     """The embedded corpus's generator (used when kind = "synthetic")."""
+    attn_segment_cap: int = 0
+    """Training batches cut attention inside a document every this many tokens (cu_seqlens only; tokens and
+    loss unchanged); 0 = never. Upstream VIRTUAL_SEQ_CAP = 2560, which bites in its 3072-token stages."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("synthetic", "shards"):
@@ -161,6 +171,8 @@ class DataConfig:
                 f"data.val_tokens={self.val_tokens} and data.val_batch_tokens={self.val_batch_tokens} "
                 "must be >= 1."
             )
+        if self.attn_segment_cap < 0:
+            raise ValueError(f"data.attn_segment_cap={self.attn_segment_cap} must be >= 0 (0 = no cap).")
         if self.val_tokens % self.val_batch_tokens:
             raise ValueError(
                 f"data.val_tokens={self.val_tokens} must be a multiple of data.val_batch_tokens="
@@ -414,6 +426,25 @@ def piece_boundaries(lengths: np.ndarray) -> np.ndarray:
     return bounds
 
 
+def split_attention_segments(cu_seqlens, cap: int):
+    """cu_seqlens [0, ..., T] with a boundary added every ``cap`` tokens inside each document, counted from
+    the document's start (upstream ``split_attention_segments``); ``cap`` <= 0 returns it unchanged.
+
+    Works on a numpy array or a torch tensor and returns the same kind and dtype. Strictly increasing in,
+    strictly increasing out; a document of n tokens becomes ceil(n / cap) segments.
+    """
+    if cap <= 0:
+        return cu_seqlens
+    as_torch = isinstance(cu_seqlens, torch.Tensor)
+    bounds = cu_seqlens.cpu().numpy() if as_torch else np.asarray(cu_seqlens)
+    starts, lengths = bounds[:-1].astype(np.int64), np.diff(bounds).astype(np.int64)
+    pieces = np.maximum(-(-lengths // cap), 1)  # segments per document
+    first = np.repeat(starts, pieces)
+    k = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # index within its doc
+    out = np.append(first + k * cap, bounds[-1]).astype(bounds.dtype)
+    return torch.from_numpy(out).to(cu_seqlens.device) if as_torch else out
+
+
 def _check_rank(rank: int, world_size: int) -> None:
     if not (
         isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size
@@ -425,7 +456,8 @@ class TrainLoader:
     """Rank ``rank``'s training batches from the train shards matching ``pattern`` (see the module docstring).
 
     ``prefetch`` (default: on CUDA only) assembles the next batch, with the same geometry, in a background
-    thread and opens the next shard ahead; the batches are identical with it on or off.
+    thread and opens the next shard ahead; the batches are identical with it on or off. ``attn_segment_cap``:
+    see :func:`split_attention_segments` (0 = whole documents).
     """
 
     def __init__(
@@ -438,8 +470,12 @@ class TrainLoader:
         bos_id: int = GPT2_BOS_ID,
         vocab_size: int = GPT2_VOCAB_SIZE,
         prefetch: bool | None = None,
+        attn_segment_cap: int = 0,
     ) -> None:
         _check_rank(rank, world_size)
+        if not isinstance(attn_segment_cap, int) or attn_segment_cap < 0:
+            raise ValueError(f"TrainLoader: attn_segment_cap={attn_segment_cap!r} must be an int >= 0.")
+        self.attn_segment_cap = attn_segment_cap
         self.files = find_shards(pattern)
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
@@ -501,7 +537,8 @@ class TrainLoader:
     def _assemble(self, cursor: tuple[int, int], tokens_per_rank: int, max_doc_len: int):
         shard, (starts, lengths), after = self._plan(cursor, tokens_per_rank, max_doc_len)
         buf = gather_pieces(shard.tokens, starts, lengths)
-        return _host_batch(buf, piece_boundaries(lengths), self._pin), after
+        bounds = split_attention_segments(piece_boundaries(lengths), self.attn_segment_cap)
+        return _host_batch(buf, bounds, self._pin), after
 
     def next_batch(self, tokens_per_rank: int, max_doc_len: int) -> Batch:
         """The next step's batch for this rank: exactly ``tokens_per_rank`` inputs, pieces <= max_doc_len."""

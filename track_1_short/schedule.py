@@ -10,7 +10,13 @@ of the stages:
 - the ANVIL fast-rail beta warms up from ``rail_beta_start`` to ``rail_beta_peak`` over
   ``rail_warmup_steps`` and cools down to ``rail_beta_end`` over the last ``rail_cooldown_steps`` steps;
 - Adam runs on steps with ``step % adam_every == adam_every - 1`` (the cadence lives in OptimConfig);
-- the tied embedding splits from lm_head after ``split_embed_step``.
+- the tied embedding splits from lm_head after ``split_embed_step``: that step's update is still tied (as
+  upstream's, which copies the moments to embed after its optimizer step), the next step's forward is untied.
+
+Where this follows upstream's formulas exactly (each pinned by tests/test_schedule.py): a stage's MTP
+weights lerp by ``(step - start) / steps`` (upstream ``TrainingSchedule.lookup``: the fraction of the stage
+done, so the end weights are approached, not reached, by its last step), and the taper's lr multiplier is
+``1.73 * sqrt(20 / 24)`` to the double (configs/schedule/track1.yaml), not a 4-decimal rounding of it.
 
 Nothing here holds state: the training loop, the warmup planner and the tests all ask the same functions.
 Defaults and the track-1 stage table come from the upstream record (package ``config.py``/``schedule.py``).
@@ -66,7 +72,8 @@ class ScheduleConfig:
     rail_cooldown_steps: int = 50
     """Last steps of the run over which the rail beta cools down linearly (upstream 50)."""
     split_embed_step: int = -1
-    """Step at whose start the tied embedding splits from lm_head; -1 = never (upstream 1175)."""
+    """The last step whose update is tied: the embedding splits from lm_head after it, so step
+    split_embed_step + 1 is the first untied forward; -1 = never (upstream 1175, an Adam step)."""
     val_window_long: int = 0
     """Long window used by validation, in 128-token blocks; 0 = the last stage's (upstream extends to 20)."""
 
@@ -176,19 +183,27 @@ def do_adam(step: int, adam_every: int) -> bool:
 
 
 def mtp_weights(cfg: ScheduleConfig, step: int) -> list[float]:
-    """Multi-token-prediction loss weights at ``step``, lerped over the stage when an end is given."""
+    """Multi-token-prediction loss weights at ``step``, lerped over the stage when an end is given.
+
+    The lerp fraction is upstream's (step - stage start) / stage steps: 0 at the first step, (n - 1) / n at
+    the last, so the end weights belong to the stage's (exclusive) end.
+    """
     i = stage_index(cfg, step)
     stage = _stages(cfg)[i]
     start = list(stage.mtp_weights)
     if not stage.mtp_weights_end:
         return [float(w) for w in start]
-    t = (step - stage_starts(cfg)[i]) / max(1, stage.steps - 1)
+    t = (step - stage_starts(cfg)[i]) / stage.steps
     return [float(a + (b - a) * t) for a, b in zip(start, stage.mtp_weights_end)]
 
 
 def embed_split(cfg: ScheduleConfig, step: int) -> bool:
-    """True on the step at whose start the embedding unties from lm_head."""
-    return cfg.split_embed_step >= 0 and step == cfg.split_embed_step
+    """True on the step at whose start the embedding unties from lm_head: the one after split_embed_step.
+
+    Untying at the start of step s + 1 is untying after step s's update: nothing runs in between. Upstream
+    unties after step 1175's optimizer step (``copy_lm_state_to_embed``), so 1175's update is still tied.
+    """
+    return cfg.split_embed_step >= 0 and step == cfg.split_embed_step + 1
 
 
 def val_windows(cfg: ScheduleConfig) -> tuple[int, int]:
@@ -233,7 +248,7 @@ def warmup_steps(cfg: ScheduleConfig, adam_every: int) -> list[int]:
     """Steps whose shapes and branches the untimed warmup must exercise before the clock starts.
 
     Steps 0..adam_every (both Adam and non-Adam steps), two before to one after every stage transition (new
-    batch geometry, windows and MTP count) and the three steps after the embedding split (a new forward).
+    batch geometry, windows and MTP count), the last tied step and the three after it (a new forward).
     """
     n = total_steps(cfg)
     wanted = set(range(min(n, adam_every + 1)))

@@ -186,6 +186,7 @@ class Trainer:
             device,
             bos_id=cfg.data.bos_id,
             vocab_size=cfg.data.vocab_size,
+            attn_segment_cap=cfg.data.attn_segment_cap,
         )
         self.step = 0
         self.train_time_ms = 0.0
@@ -305,8 +306,10 @@ class Trainer:
             loss = self.forward(b.inputs, b.targets, cu, plan.windows, mtp)
             if marks is not None:
                 marks("forward")
-            # Per-token mean over this rank's step; the optimizer's reductions average the ranks.
-            (loss / (micro * accum)).backward()
+            # Per-token mean over this rank's step, or (loss_sum_ranks N) the sum over batch/N tokens; the
+            # optimizer's reductions average the ranks.
+            scale = self.cfg.loss_sum_ranks / self.world if self.cfg.loss_sum_ranks else micro * accum
+            (loss / scale).backward()
             if marks is not None:
                 marks("backward")
             loss_sum += loss.detach().float()

@@ -221,3 +221,19 @@ def test_flex_attention_on_cuda_matches_naive_forward_and_backward(doc_lens, win
     ref.backward(g)
     for a, b in ((qc, qr), (kc, kr), (vc, vr)):
         torch.testing.assert_close(a.grad.cpu(), b.grad, atol=5e-2, rtol=0)
+
+
+@pytest.mark.parametrize("heads, differing", [(6, {1, 4}), (2, set()), (4, {1, 2})])
+def test_paired_rotary_positions_are_stream_rows_and_differ_from_upstreams_only_where_documented(
+    heads, differing
+):
+    t = 5
+    # Where causal_self_attention's reshape puts head h of token t: [T, H, d] -> [2T, H/2, d].
+    rows = torch.arange(t * heads).view(t, heads, 1).reshape(2 * t, heads // 2, 1)
+    stream_row = {int(rows[r, j, 0]): r for r in range(2 * t) for j in range(heads // 2)}
+    for tok in range(t):
+        for h in range(heads):
+            ours = stream_row[tok * heads + h]
+            assert ours == 2 * tok + (h >= heads // 2)
+            upstream = 2 * tok + h % 2  # qkv_rope.py: factor_offset = (logical_head % 2) * qk_dim
+            assert (ours != upstream) == (h in differing), (tok, h)

@@ -328,3 +328,38 @@ def test_tiny_on_cuda_flex_matches_the_reference_path_forward_and_backward(tiny_
 
 def test_bos_is_the_gpt2_end_of_text_token():
     assert BOS == 50256 and BOS < ModelConfig().vocab_size
+
+
+def test_validation_scores_upstreams_bf16_softcap_bitwise():
+    torch.manual_seed(0)
+    model = GPT(load_config("tiny"))  # bf16 compute, as record runs
+    inputs, targets, cu = packed_batch([70, 58], seed=6)  # 128 rows: one chunk of the tiny loss_chunk_rows
+    val = model.val_loss_sum(inputs, targets, cu, WINDOWS)
+    model.eval()
+    with torch.no_grad():
+        h = model.hidden(inputs, cu, WINDOWS)
+        # upstream gpt.py _loss, validation: (23 * torch.sigmoid((lm_head(x) + 5) / 7.5)).float(), bf16 ops
+        logits = (23 * torch.sigmoid((h @ model.lm_head.to(h.dtype) + 5) / 7.5)).float()
+    assert h.dtype == torch.bfloat16
+    assert torch.equal(val, F.cross_entropy(logits, targets, reduction="sum"))
+
+
+@pytest.mark.parametrize("smear_lambda", [0.0, 0.5])  # 0: the key offset alone (the smear starts off)
+def test_cross_document_lookback_reads_the_previous_documents_last_token_as_upstream(model, smear_lambda):
+    model.eval()
+    with torch.no_grad():
+        model.scalars[2 * model.cfg.num_layers] = smear_lambda
+    moved = {}
+    for cross in (False, True):
+        model.cfg.cross_document_lookback = cross
+        base, out = _perturbed_logits(model, [70, 150], 69, windows=(4, 8))  # 69: document 0's last token
+        moved[cross] = (out != base).any(-1)
+        single = _perturbed_logits(model, [220], 69, windows=(4, 8))
+        moved[(cross, "single")] = single
+    assert not moved[False][70:].any()  # ours: nothing crosses into document 1
+    assert moved[True][70:].any()  # upstream's: document 1 reads document 0's last token
+    if smear_lambda:
+        assert moved[True][70]  # the smear: token 70's own embedding
+    # With one document there is no start to stop at: both settings compute the same bits.
+    for a, b in zip(moved[(False, "single")], moved[(True, "single")]):
+        assert torch.equal(a, b)

@@ -15,6 +15,7 @@ from track_1_short.model.layers import (
     rope_base_frequencies,
     smear,
     softcap,
+    softcapped_cross_entropy_eval_sum,
     softcapped_cross_entropy_sum,
     yarn_rescale_,
 )
@@ -23,14 +24,50 @@ CAP, SHIFT, TEMP = 23.0, 5.0, 7.5
 
 
 def naive_loss(x, w, targets, mtp):
-    """The loss spelled out with autograd: softcapped logits, F.cross_entropy per shift."""
+    """Upstream's training loss spelled out with autograd: softcapped logits, F.cross_entropy per shift, and
+    for the last rows, whose target t + k lies past the end, the gradient (not the value) of
+    w_k * logsumexp(z[t]): upstream's kernel normalises every row's softmax by the sum of all MTP weights."""
     z = softcap(x @ w, CAP, SHIFT, TEMP)
     t = x.size(0)
     total = 0.0
     for k, wk in enumerate(mtp):
         if t - k > 0:
             total = total + wk * F.cross_entropy(z[: t - k], targets[k:], reduction="sum")
+        past = torch.logsumexp(z[max(t - k, 0) :], -1).sum()
+        total = total + wk * (past - past.detach())
     return total
+
+
+def test_ce_normaliser_counts_mtp_weights_past_the_end_as_upstreams_kernel():
+    # Only the last row has no target at t + 1: its x gradient is w_0 softmax + w_1 softmax - w_0 onehot.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 4, generator=g).requires_grad_()
+    w = torch.randn(4, 9, generator=g)
+    targets = torch.randint(0, 9, (6,), generator=g)
+    softcapped_cross_entropy_sum(x, w, targets, [1.0, 0.5], CAP, SHIFT, TEMP, 4).backward()
+    z = softcap(x.detach() @ w, CAP, SHIFT, TEMP).requires_grad_()
+    dz = (1.0 + 0.5) * torch.softmax(z[-1], -1) - F.one_hot(targets[-1], 9)
+    dlogit = dz * (CAP / TEMP) * (z[-1] / CAP) * (1 - z[-1] / CAP)
+    # fp32 chain against the same chain in another order: 1e-5 relative
+    torch.testing.assert_close(x.grad[-1], dlogit @ w.T, rtol=1e-5, atol=1e-6)
+
+
+def test_eval_loss_is_upstreams_bf16_softcap_then_fp32_cross_entropy_bitwise():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(48, 16, generator=g).bfloat16()
+    w = (torch.randn(16, 300, generator=g) * 0.5).bfloat16()
+    targets = torch.randint(0, 300, (48,), generator=g)
+    got = softcapped_cross_entropy_eval_sum(x, w, targets, [1.0], CAP, SHIFT, TEMP, 64)
+    # upstream gpt.py _loss, validation branch: (23 * torch.sigmoid((lm_head(x) + 5) / 7.5)).float()
+    logits = (23 * torch.sigmoid((x @ w + 5) / 7.5)).float()
+    assert torch.equal(got, F.cross_entropy(logits, targets, reduction="sum"))
+    fp32_softcap = F.cross_entropy(softcap((x @ w).float(), CAP, SHIFT, TEMP), targets, reduction="sum")
+    assert not torch.equal(got, fp32_softcap)  # the precision is visible in the loss: it is a real choice
+    chunked = softcapped_cross_entropy_eval_sum(x, w, targets, [1.0, 0.5], CAP, SHIFT, TEMP, 7)
+    mtp = F.cross_entropy(logits, targets, reduction="sum") + 0.5 * F.cross_entropy(
+        logits[:-1], targets[1:], reduction="sum"
+    )
+    torch.testing.assert_close(chunked, mtp, rtol=1e-6, atol=0)  # chunked fp32 sums: order only
 
 
 @pytest.mark.parametrize("mtp", [[1.0], [1.0, 0.5, 0.25]])

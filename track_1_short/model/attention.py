@@ -179,7 +179,8 @@ class PackedSequence:
     doc_ids: Tensor
     """int32 [T]: document index of each token."""
     doc_start: Tensor
-    """bool [T]: True at each document's first token."""
+    """bool [T]: where the key offset's look-back stops: each document's first token (only the batch's first
+    with ModelConfig.cross_document_lookback, upstream's)."""
     block: int
     """Query block size of the reference path and FlexAttention's block size (tokens)."""
     impl: str
@@ -220,15 +221,18 @@ def causal_self_attention(
         v = v + aux_v.view(t, h, spec.head_dim)[..., :dv].to(v.dtype)
     rotary_dim = 2 * freq.numel()
     if spec.key_offset:
-        # Stationary dims of each key from the previous token; a document's first key keeps its own.
+        # Stationary dims of each key from the previous token; a key where seq.doc_start is set keeps its own.
         prev = torch.cat([k[:1], k[:-1]])
         shifted = torch.where(seq.doc_start[:, None, None], k, prev)
         k = torch.cat((k[..., :rotary_dim], shifted[..., rotary_dim:]), dim=-1)
     doc_ids = seq.doc_ids
     if spec.paired:
         # [T, H, d] -> [2T, H/2, d]: token t's heads 0..H/2-1 go to stream row 2t, heads H/2..H-1 to row 2t+1,
-        # so the pair (j, j + H/2) shares one stream. Rotary positions are stream positions (upstream instead
-        # gives odd heads the odd position, which only differs for the middle pair when H/2 is odd).
+        # so the pair (j, j + H/2) shares one stream. Rotary positions are stream positions 2t + (h >= H/2).
+        # Upstream's kernel (qkv_rope.py) rotates head h by 2t + h % 2 instead: the same wherever
+        # h % 2 == (h >= H/2), at H = 6 every head but the middle pair (1, 4), whose two rows then carry
+        # each other's rotary order reversed. Kept: the stream position is the one the causal mask orders by
+        # (tests/model/test_attention.py pins both formulas and where they differ).
         q, k, v = (u.reshape(2 * t, h // 2, u.size(-1)) for u in (q, k, v))
         doc_ids = doc_ids.repeat_interleave(2)
     positions = torch.arange(q.size(0), device=x.device)

@@ -24,7 +24,15 @@ Out of scope (upstream has them, this model does not): the hashed n-gram embeddi
 lanes in mudd_gate_w2 / mudd_b2 are kept, unused, so the shapes match), FP8 projections and loss, the sampled
 softmax, canonical-token masking at validation, the prefix-token auxiliary loss, end-of-run tail averaging.
 Deliberate differences: the smear gate and the partial key offset stop at document starts (upstream lets them
-read the previous document's last token), so no information crosses a document boundary.
+read the previous document's last token), so no information crosses a document boundary;
+``cross_document_lookback=true`` gives upstream's behaviour instead (on the CPU smoke record, seed 1: val
+6.4831 ours, 6.4819 upstream's, inside the seeds' spread of 0.006). The rotary position of a paired-head
+layer's heads is the position in the interleaved stream (model/attention.py says where upstream's differs).
+
+Where upstream's numerics are followed (model/layers.py, pinned by tests/model/test_layers.py): an evaluation
+forward (eval mode or no gradients) computes the softcap in the compute dtype before an fp32 CE, as upstream's
+validation does in bf16, so the reported val loss carries upstream's roundings; the training loss's softmax
+normaliser counts every MTP weight on every row, past the end of the batch too (upstream's S_w).
 """
 
 from __future__ import annotations
@@ -40,12 +48,14 @@ from track_1_short.model.attention import ATTENTION_IMPLS, AttnSpec, PackedSeque
 from track_1_short.model.layers import (
     document_ids,
     document_starts,
+    lookback_starts,
     next_multiple_of,
     norm,
     relu2_mlp,
     rope_base_frequencies,
     smear,
     softcap,
+    softcapped_cross_entropy_eval_sum,
     softcapped_cross_entropy_sum,
     yarn_rescale_,
 )
@@ -106,8 +116,8 @@ class ParamTableConfig:
     embed: AdamHyper = _adam(0.5, 0.95, 1.0, 150.0)
     """Token embedding (sharded Adam; optimised only after the split, tied to lm_head before)."""
     value_embeds: AdamHyper = _adam(0.75, 0.95, 70.0, 5.0)
-    """Value-embedding planes (sharded Adam). Upstream squares the betas and doubles wd_mul from step 336, on
-    its sparse update cadence (a schedule concern, not the model's)."""
+    """Value-embedding planes (sharded Adam). From optim.value_embed_period4_start (336) the optimizer updates
+    them every other Adam step with these betas squared and wd_mul doubled (upstream's cadence)."""
     scalars: AdamHyper = _adam(0.9, 0.99, 5.0, 0.0)
     """sa_lambdas, smear_lambda, skip_lambda (replicated, fp32)."""
     smear_gate: AdamHyper = _adam(0.9, 0.99, 0.01, 0.0)
@@ -206,6 +216,10 @@ class ModelConfig:
     """The smear gate (one-token look-back in the embedding)."""
     smear_channels: int = 12
     """The smear gate reads this many leading channels of the token embedding (upstream 12)."""
+    cross_document_lookback: bool = False
+    """Upstream's look-backs: the smear gate and the partial key offset read the previous token of the packed
+    batch even where a document (or attention segment) starts, since upstream's ignore cu_seqlens; only the
+    batch's first token has none. False: both stop at every start in cu_seqlens, so nothing crosses one."""
     mudd: bool = True
     """MUDD dense connections: dynamic coefficients at the last layer and the post-loop mix."""
     mudd_gates: bool = True
@@ -891,7 +905,11 @@ class GPT(nn.Module):
             self.follow_windows(windows)
         hidden = self.hidden(inputs, cu_seqlens, windows)
         cfg = self.cfg
-        return softcapped_cross_entropy_sum(
+        # An evaluation forward scores its logits with upstream's validation numerics (softcap in the compute
+        # dtype, then fp32 CE); a training forward with the chunked fused loss (fp32 softcap).
+        evaluation = not (self.training and torch.is_grad_enabled())
+        loss = softcapped_cross_entropy_eval_sum if evaluation else softcapped_cross_entropy_sum
+        return loss(
             hidden,
             self.lm_head,
             targets,
@@ -913,17 +931,19 @@ class GPT(nn.Module):
             self.train(was_training)
 
     def logits(self, inputs: Tensor, cu_seqlens: Tensor, windows) -> Tensor:
-        """Softcapped logits fp32 [T, vocab_padded], for evaluation and tests (the loss never builds them)."""
+        """Softcapped logits fp32 [T, vocab_padded] as the evaluation loss scores them, for evaluation and
+        tests (the training loss never builds them)."""
         if self.cfg.check_inputs:
             self.check_inputs(inputs, None, cu_seqlens, windows, [1.0])
         hidden = self.hidden(inputs, cu_seqlens, windows)
         cfg = self.cfg
+        # The softcap in the compute dtype, then fp32: the evaluation loss's logits (upstream's validation).
         return softcap(
-            (hidden @ self.lm_head.type_as(hidden)).float(),
+            hidden @ self.lm_head.type_as(hidden),
             cfg.logit_cap,
             cfg.logit_shift,
             cfg.logit_temperature,
-        )
+        ).float()
 
     def _attn_weights(self) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
         """layer -> (qk_w [2 H qk_dim, D], v_w [H v_dim, D], o_w [D, H v_dim]) cut from the banks."""
@@ -961,7 +981,7 @@ class GPT(nn.Module):
         t, d, h, hd, L = inputs.numel(), cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.num_layers
         last = L - 1
         tokens = inputs.long()
-        doc_start = document_starts(cu_seqlens, t)
+        doc_start = lookback_starts(document_starts(cu_seqlens, t), cfg.cross_document_lookback)
         seq = PackedSequence(document_ids(cu_seqlens, t), doc_start, cfg.block_size, cfg.attention_impl)
         window_tokens = (int(windows[0]) * cfg.block_size, int(windows[1]) * cfg.block_size)
 

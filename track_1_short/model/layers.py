@@ -46,6 +46,17 @@ def document_ids(cu_seqlens: Tensor, num_tokens: int) -> Tensor:
     return (torch.cumsum(document_starts(cu_seqlens, num_tokens).int(), 0) - 1).int()
 
 
+def lookback_starts(doc_start: Tensor, cross_documents: bool) -> Tensor:
+    """Where the one-token look-backs (smear, key offset) stop: every document start, or with
+    ``cross_documents`` (upstream, whose look-backs ignore document boundaries) only the batch's first
+    token."""
+    if not cross_documents:
+        return doc_start
+    first = torch.zeros_like(doc_start)
+    first[:1] = True
+    return first
+
+
 def shift_within_documents(x: Tensor, doc_start: Tensor) -> Tensor:
     """Row t of the result is x[t-1], or zeros where t starts a document: x [T, ...], doc_start bool [T]."""
     prev = torch.cat([torch.zeros_like(x[:1]), x[:-1]])
@@ -111,15 +122,19 @@ def softcap(logits: Tensor, cap: float, shift: float, temperature: float) -> Ten
 
 
 def mtp_row_weights(mtp_weights: Tensor, num_tokens: int) -> tuple[Tensor, Tensor]:
-    """For the multi-token targets: (valid [K, T] bool, total weight per row [T] fp32).
+    """For the multi-token targets: (valid [K, T] bool, softmax-normaliser weight per row [T] fp32).
 
     mtp_weights fp32 [K]. Row t is scored against targets[t + k] with weight mtp_weights[k] while t + k < T
-    (upstream's bound).
+    (upstream's bound). The normaliser weight of every row is the sum of all K weights, past the end
+    included: upstream's fused CE kernel (S_w in perf/kernels/cross_entropy.py) sums mtp_weights without the
+    bound, so the last K - 1 rows of a batch push their softmax down as if their missing targets were there.
+    Their gradient is then not the gradient of the returned loss (which counts only valid targets); it is
+    upstream's gradient.
     """
     k, device = mtp_weights.numel(), mtp_weights.device
     t = torch.arange(num_tokens, device=device)
     valid = (t[None, :] + torch.arange(k, device=device)[:, None]) < num_tokens  # [K, T]
-    return valid, (valid.float() * mtp_weights.float()[:, None]).sum(0)
+    return valid, mtp_weights.float().sum().expand(num_tokens)
 
 
 def as_mtp_tensor(mtp_weights, device) -> Tensor:
@@ -192,7 +207,8 @@ def _softcapped_ce_sum(
         total += ((lse[:, None] - cap * s_t) * v_c * w_k).sum()
         if not need_grad:
             continue
-        # dLoss/dz = row_weight * softmax(z) - sum_k w_k onehot(target_k); dz/dlogit = cap/temp * s(1-s).
+        # dLoss/dz = row_weight * softmax(z) - sum_k w_k onehot(target_k) (row_weight: all K weights, as
+        # upstream's kernel, see mtp_row_weights); dz/dlogit = cap/temp * s(1-s).
         # Built as q = (row_weight * cap/temp / sum_e) * e * s, minus cap/temp * w_k * s_t at the targets,
         # then g = q (1 - s) = q - q s, rounded once into the compute dtype.
         q = e.mul_(s).mul_((row_weight[lo:hi] * (cap / temperature) / sum_e)[:, None])
@@ -228,6 +244,40 @@ def _softcapped_ce_backward(ctx, grad_out, _grad_x_out, _grad_w_out):
 
 
 _softcapped_ce_sum.register_autograd(_softcapped_ce_backward, setup_context=_softcapped_ce_setup)
+
+
+def softcapped_cross_entropy_eval_sum(
+    x: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    mtp_weights: list[float],
+    cap: float,
+    shift: float,
+    temperature: float,
+    chunk_rows: int,
+) -> Tensor:
+    """The loss of a forward without gradients (validation), computed as upstream's validation does; fp32 0-D.
+
+    Per chunk of rows: logits = x @ W, then + shift, / temperature, sigmoid and x cap, each op in x's dtype
+    (bf16 in record runs: upstream's ``(23 * torch.sigmoid((lm_head(x) + 5) / 7.5)).float()``), then fp32
+    F.cross_entropy against targets[t + k] for t + k < T, weighted by mtp_weights[k] and summed. In bf16 this
+    rounds the logit five times where the training path (one fused GEMM, fp32 sigmoid) rounds once, which is
+    what upstream's reported val loss, the one the record gate tests against 3.28, carries.
+    """
+    if isinstance(mtp_weights, Tensor):  # evaluation runs eagerly: one read-back per forward is fine
+        mtp_weights = mtp_weights.tolist()
+    num_tokens = x.size(0)
+    weight_c = weight.to(x.dtype)
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    for lo in range(0, num_tokens, chunk_rows):
+        hi = min(lo + chunk_rows, num_tokens)
+        logits = (cap * torch.sigmoid((x[lo:hi] @ weight_c + shift) / temperature)).float()  # [rows, V]
+        for k, w in enumerate(mtp_weights):
+            rows = min(hi, num_tokens - k) - lo  # rows whose target t + k exists
+            if rows > 0 and w != 0:
+                ce = F.cross_entropy(logits[:rows], targets[lo + k : lo + k + rows], reduction="sum")
+                total += w * ce
+    return total
 
 
 def softcapped_cross_entropy_sum(

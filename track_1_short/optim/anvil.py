@@ -14,6 +14,13 @@ Adam runs on steps with ``step % adam_every == adam_every - 1``; on the other st
 ``.grad`` to accumulate, so an Adam update sees the sum of ``adam_every`` steps' gradients. Reductions average
 over ranks (the loss is a per-rank sum or mean; either way the normalised updates absorb its scale).
 
+``value_embeds`` follows upstream's n-gram cadence (``ngram_table.is_update_step``,
+``training.value_embed_betas_and_wd_mul``): from ``OptimConfig.value_embed_period4_start`` (336) it updates
+on every other Adam step only (steps = 3 mod 4 at adam_every 2), its gradient summing over the 4-step cycle,
+and since one update then stands for two, both its betas are squared ((0.75, 0.95) -> (0.5625, 0.9025)) and
+its wd_mul doubles (5 -> 10). Before that step it is an Adam parameter like any other. Upstream exchanges its
+rows sparsely; here it is a dense sharded Adam tensor, with the same arithmetic on the rows that move.
+
 ``step(do_adam)`` issues its collectives in a fixed order (the communication schedule), the same on all ranks:
 
     Phase 0  (Adam steps) launch the replicated all_reduce(s)
@@ -101,6 +108,11 @@ class OptimConfig:
     or "reference" (per-parameter all_reduce and Adam step). All three give the same parameters."""
     adam_every: int = 2
     """Adam updates on steps with step % adam_every == adam_every - 1 (upstream: odd steps)."""
+    value_embed_period4_start: int = 336
+    """From this step the label value_embeds updates every 2 * adam_every steps (step % (2 adam_every) ==
+    2 adam_every - 1), its gradient accumulating over the cycle, with squared betas and doubled wd_mul
+    (upstream NGRAM_ADAM_PERIOD4_START = 336); -1 = on every Adam step throughout. A multiple of
+    2 * adam_every, so the last short cycle is followed by whole long ones."""
 
     def __post_init__(self) -> None:
         validate_optim_config(self)
@@ -134,6 +146,21 @@ def validate_optim_config(cfg) -> None:
         raise ValueError(f"optim.adam_every={cfg.adam_every} must be >= 1 (1 = Adam on every step).")
     if cfg.rail_engage_step < 0:
         raise ValueError(f"optim.rail_engage_step={cfg.rail_engage_step} must be >= 0.")
+    start, cycle = cfg.value_embed_period4_start, 2 * cfg.adam_every
+    if start != -1 and (start < 0 or start % cycle):
+        raise ValueError(
+            f"optim.value_embed_period4_start={start} must be -1 (off) or a step >= 0 divisible by "
+            f"2 * optim.adam_every = {cycle} (upstream 336)."
+        )
+
+
+def value_embed_cadence(cfg, step: int, betas, wd_mul: float) -> tuple[bool, tuple[float, float], float]:
+    """(updates this step if it is an Adam step, betas, wd_mul) of value_embeds at ``step``, from its table
+    betas and wd_mul: upstream's is_update_step and value_embed_betas_and_wd_mul."""
+    start, cycle = cfg.value_embed_period4_start, 2 * cfg.adam_every
+    if start < 0 or step < start:
+        return True, (float(betas[0]), float(betas[1])), float(wd_mul)
+    return step % cycle == cycle - 1, (float(betas[0]) ** 2, float(betas[1]) ** 2), 2.0 * float(wd_mul)
 
 
 class OptimizerStateError(ValueError):
@@ -212,6 +239,11 @@ class AnvilAndAdam:
                 impl=cfg.replicated_impl,
             )
         self._replicated_set = set(self.replicated_labels)
+        # value_embeds' table betas and wd_mul, which set_schedule squares / doubles on the long cadence, and
+        # the Adam labels whose update waits for a later Adam step (their gradient keeps accumulating).
+        ve = self.param_cfgs.get("value_embeds")
+        self._ve_table = (ve.adam_betas, ve.wd_mul) if ve is not None and ve.optim == "adam" else None
+        self._deferred: frozenset[str] = frozenset()
         self._reference_reduces: list[tuple[str, distributed.Handle]] = []
         # Adam's (step_size, eff_wd) as two reused 0-D fp32 tensors: a compiled step never sees a new input.
         self._adam_scalar_buffers = reference_adam.new_scalar_buffers()
@@ -260,6 +292,10 @@ class AnvilAndAdam:
             c.lr = c.initial_lr * lr_multiplier
             if c.optim == "anvil":
                 c.momentum = rail_beta
+        if self._ve_table is not None:
+            c = self.param_cfgs["value_embeds"]
+            due, c.adam_betas, c.wd_mul = value_embed_cadence(self.cfg, step, *self._ve_table)
+            self._deferred = frozenset() if due else frozenset({"value_embeds"})
         for label, bank in self.banks.items():
             c, shards = self.param_cfgs[label], self.shards[label]
             mults = c.matrix_lr_mul or (1.0,) * c.reshape[0]
@@ -288,6 +324,8 @@ class AnvilAndAdam:
             c, p = self.param_cfgs[label], self.params[label]
             if c.comms == "replicated" or (c.optim == "adam" and not do_adam) or p.grad is None:
                 continue
+            if label in self._deferred:
+                continue  # its cycle is not over: the gradient keeps accumulating
             if self.tied and label == self.tie[0]:
                 continue  # folded into lm_head's gradient below
             grad = p.grad
@@ -327,7 +365,8 @@ class AnvilAndAdam:
             embed.data.copy_(lm_head.data.mT)
         for label, p in self.params.items():
             c = self.param_cfgs[label]
-            if c.optim == "anvil" or (do_adam and (c.comms == "sharded" or self._fused is None)):
+            used = c.optim == "anvil" or (do_adam and (c.comms == "sharded" or self._fused is None))
+            if used and label not in self._deferred:
                 p.grad = None
         if do_adam and self._fused is not None:
             self._fused.zero_grad()

@@ -22,6 +22,12 @@ Invariants (each tested in tests/perf/test_replicated_adam.py):
 5. A parameter with no gradient this step is skipped whole: its step, moments and value stay as they were.
    (Every rank must see the same parameters without a gradient, as every rank runs the same model.)
 
+Calling convention: ``flatten_replicated``, ``adam_scalar_table`` and ``ReplicatedAdam`` take ``param_cfgs``
+and ``param_states`` either as sequences in ``params`` order (this project's optimizer) or as mappings keyed
+by parameter, and ``active`` either as one bool per parameter or as a set of parameters (the seed module's own
+convention, so code written against it runs unchanged); both give the same bits. ``FlatGroup.params`` lists
+a group's members; ``FlatGroup.grad_views`` answers by position (``views[k]``) or by parameter (``views[p]``).
+
 Provenance: modded-nanogpt's track_1_short package (record #360: perf/replicated_adam.py with
 flatten_replicated, adam_scalar_table, ReplicatedAdam, and the fused_adam_ kernel), rewritten for this
 project.
@@ -30,7 +36,8 @@ project.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,6 +72,81 @@ def describe(params: Sequence[torch.Tensor], index: int) -> str:
     return f"parameter {index} ({label})" if label else f"parameter {index}"
 
 
+def per_parameter(params: Sequence[torch.Tensor], values, what: str) -> list:
+    """``values`` as a list in ``params`` order: a sequence as given, or a mapping keyed by parameter (the
+    seed's convention; keys beyond ``params`` are ignored, as the seed passes its whole optimizer's dicts)."""
+    if not isinstance(values, Mapping):
+        return list(values)
+    missing = [describe(params, i) for i, p in enumerate(params) if p not in values]
+    if missing:
+        raise ValueError(
+            f"{what} is a mapping without an entry for {', '.join(missing)}; key it by every parameter "
+            "(or pass a sequence in parameter order)"
+        )
+    return [values[p] for p in params]
+
+
+def active_flags(params: Sequence[torch.Tensor], active) -> list[bool]:
+    """``active`` as one bool per parameter: a sequence of bools as given, or a set of parameters (the
+    seed's)."""
+    if not isinstance(active, AbstractSet):
+        return [bool(a) for a in active]
+    members = {id(x) for x in active}
+    stray = len(members - {id(p) for p in params})
+    if stray:
+        raise ValueError(
+            f"active holds {stray} object(s) that are not among params; pass a subset of params, or one bool "
+            "per parameter"
+        )
+    return [id(p) in members for p in params]
+
+
+class GradViews(Sequence):
+    """A group's gradient slices, member k's shaped like its parameter: ``views[k]`` by position, as a list,
+    or ``views[p]`` by parameter, as the seed's dict. Iteration and ``len`` are the list's; ``in``,
+    ``keys()``, ``items()`` and ``get()`` are the mapping's (by parameter identity: tensors do not compare
+    with ==)."""
+
+    def __init__(self) -> None:
+        self._params: list[torch.Tensor] = []
+        self._views: list[torch.Tensor] = []
+        self._by_id: dict[int, torch.Tensor] = {}
+
+    def add(self, param: torch.Tensor, view: torch.Tensor) -> None:
+        self._params.append(param)
+        self._views.append(view)
+        self._by_id[id(param)] = view
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __getitem__(self, key):
+        if isinstance(key, int | slice):
+            return self._views[key]
+        view = self._by_id.get(id(key))
+        if view is None:
+            raise KeyError(f"{describe([key], 0)} is not a member of this group")
+        return view
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._views)
+
+    def __contains__(self, param: object) -> bool:
+        return id(param) in self._by_id
+
+    def get(self, param: torch.Tensor, default=None):
+        return self._by_id.get(id(param), default)
+
+    def keys(self) -> list[torch.Tensor]:
+        return list(self._params)
+
+    def values(self) -> list[torch.Tensor]:
+        return list(self._views)
+
+    def items(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(self._params, self._views))
+
+
 @dataclass(eq=False)
 class FlatGroup:
     """The replicated parameters of one dtype, laid end to end.
@@ -81,7 +163,8 @@ class FlatGroup:
     exp_avg: torch.Tensor  # [N] fp32
     exp_avg_sq: torch.Tensor  # [N] fp32
     segment: torch.Tensor  # [N] int32: the parameter index of each element
-    grad_views: list[torch.Tensor] = field(default_factory=list)  # member k's grad slice, shaped like it
+    grad_views: GradViews = field(default_factory=GradViews)  # member k's grad slice, by k or by parameter
+    params: list[torch.Tensor] = field(default_factory=list)  # the members, in order (params[indices[k]])
 
     @property
     def numel(self) -> int:
@@ -152,14 +235,19 @@ def _validate_params(
 
 
 def flatten_replicated(
-    params: Sequence[torch.Tensor], param_states: Sequence[dict], device: torch.device | str
+    params: Sequence[torch.Tensor],
+    param_states: Sequence[dict] | Mapping[torch.Tensor, dict],
+    device: torch.device | str,
 ) -> list[FlatGroup]:
     """Move ``params`` and their moments into flat buffers, one group per dtype in first-seen order.
 
     Every ``p.data`` and ``state["exp_avg"]`` / ``state["exp_avg_sq"]`` is rebound to a view of its slice,
-    bitwise equal to its old value. Everything is validated before anything is modified.
+    bitwise equal to its old value. Everything is validated before anything is modified. ``param_states``: one
+    dict per parameter, in order or keyed by parameter.
     """
     device = torch.device(device)
+    params = list(params)
+    param_states = per_parameter(params, param_states, "param_states")
     _validate_params(params, param_states, device)
     members: dict[torch.dtype, list[int]] = {}
     for i, p in enumerate(params):
@@ -191,13 +279,15 @@ def flatten_replicated(
                 p.data = group.param[span].view(p.shape)
                 state["exp_avg"] = group.exp_avg[span].view(p.shape)
                 state["exp_avg_sq"] = group.exp_avg_sq[span].view(p.shape)
-                group.grad_views.append(group.grad[span].view(p.shape))
+                group.grad_views.add(p, group.grad[span].view(p.shape))
+                group.params.append(p)
         groups.append(group)
     return groups
 
 
 def validate_param_cfgs(params: Sequence[torch.Tensor], param_cfgs: Sequence[AdamParamConfig]) -> None:
     """One clear error for a config that lacks an attribute or has betas outside [0, 1)."""
+    param_cfgs = per_parameter(params, param_cfgs, "param_cfgs")
     if len(param_cfgs) != len(params):
         raise ValueError(
             f"got {len(params)} parameters but {len(param_cfgs)} configs; pass one per parameter"
@@ -216,16 +306,21 @@ def validate_param_cfgs(params: Sequence[torch.Tensor], param_cfgs: Sequence[Ada
 
 def adam_scalar_table(
     params: Sequence[torch.Tensor],
-    param_cfgs: Sequence[AdamParamConfig],
-    param_states: Sequence[dict],
-    active: Sequence[bool],
+    param_cfgs: Sequence[AdamParamConfig] | Mapping[torch.Tensor, AdamParamConfig],
+    param_states: Sequence[dict] | Mapping[torch.Tensor, dict],
+    active: Sequence[bool] | AbstractSet[torch.Tensor],
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """The fp32 [n_params, 8] scalar table of this Adam step (columns SCALAR_COLUMNS).
 
     Increments ``state["step"]`` of every active parameter and writes its row with optim/adam.py's step_size
     and eff_wd (Python doubles, rounded once to fp32 here). Inactive rows have active = 0 and zero step terms.
+    ``param_cfgs`` / ``param_states``: in parameter order or keyed by parameter; ``active``: one bool per
+    parameter or the set of active parameters.
     """
+    param_cfgs = per_parameter(params, param_cfgs, "param_cfgs")
+    param_states = per_parameter(params, param_states, "param_states")
+    active = active_flags(params, active)
     n = len(params)
     if not (len(param_cfgs) == len(param_states) == len(active) == n):
         raise ValueError(
@@ -306,8 +401,8 @@ class ReplicatedAdam:
     def __init__(
         self,
         params: Sequence[torch.Tensor],
-        param_cfgs: Sequence[AdamParamConfig],
-        param_states: Sequence[dict],
+        param_cfgs: Sequence[AdamParamConfig] | Mapping[torch.Tensor, AdamParamConfig],
+        param_states: Sequence[dict] | Mapping[torch.Tensor, dict],
         device: torch.device | str,
         *,
         impl: str = "fused",
@@ -321,14 +416,17 @@ class ReplicatedAdam:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         params = list(params)
-        param_states = list(param_states)
+        # Either convention becomes lists in parameter order; the state dicts themselves are the caller's, so
+        # a mapping's entries see their moments rebound to the flat views as a sequence's do.
+        param_cfgs = per_parameter(params, param_cfgs, "param_cfgs")
+        param_states = per_parameter(params, param_states, "param_states")
         _validate_params(params, param_states, device)
         validate_param_cfgs(params, param_cfgs)
         self.impl = impl
         self.device = device
         self.block = block
         self.params = params
-        self.param_cfgs = list(param_cfgs)
+        self.param_cfgs = param_cfgs
         self.param_states = param_states
         self._device_mode = None
         if impl == "device":
