@@ -99,7 +99,7 @@ def test_resumed_run_reproduces_the_uninterrupted_run_bitwise(one_process, tmp_p
     ckpts = checkpoint.list_checkpoints(one_process.run_dir / "checkpoints")
     assert [p.name for p in ckpts] == ["step_000004.pt", "step_000006.pt"]  # keep_last=2; none at the end
     # From step 4: crosses the stage transition (5) and the embedding split (6) after resuming.
-    resumed = trainer.run(short_cfg(str(tmp_path), MICRO, f"resume={ckpts[0]}"))
+    resumed = trainer.run(short_cfg(str(tmp_path), MICRO, f"resume={ckpts[0]}", "run_name=resumed"))
     assert resumed.train_losses == one_process.train_losses[4:]
     assert_bitwise_equal(params_of(resumed), params_of(one_process))
     assert resumed.val_loss == one_process.val_loss
@@ -112,6 +112,7 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(one_pro
     assert_bitwise_equal(r0["params"], r1["params"])  # replicas stay identical
     assert sorted(p.name for p in Path(r0["run_dir"]).iterdir()) == [
         "config.yaml",
+        "curves.png",
         "env.json",
         "events.jsonl",
         "log.txt",
