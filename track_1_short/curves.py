@@ -37,7 +37,9 @@ def read_curves(run_dir: str | Path) -> Curves:
     out = Curves(run_dir.name)
     path = run_dir / "events.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} holds no events.jsonl: it is not a run directory of this program.")
+        raise FileNotFoundError(
+            f"{run_dir} holds no events.jsonl: it is not a run directory of this program."
+        )
     for line in path.read_text().splitlines():
         try:
             e = json.loads(line)

@@ -34,7 +34,12 @@ from omegaconf import OmegaConf
 from track_1_short import checkpoint, data, distributed
 from track_1_short.checkpoint import CheckpointError
 
-RUN_FILES = ("events.jsonl", "log.txt", "config.yaml", "checkpoints")  # any of them: the directory holds a run
+RUN_FILES = (
+    "events.jsonl",
+    "log.txt",
+    "config.yaml",
+    "checkpoints",
+)  # any of them: the directory holds a run
 
 
 class RunDirError(ValueError):
@@ -93,7 +98,9 @@ def check_checkpoint(cfg, total_steps: int) -> tuple[Path, dict]:
     payload = checkpoint.load(file, mmap=True)
     meta = payload.get("meta")
     if not isinstance(meta, dict):
-        raise CheckpointError(f"resume={cfg.resume}: {file} has no 'meta' entry; it is not a checkpoint of a run.")
+        raise CheckpointError(
+            f"resume={cfg.resume}: {file} has no 'meta' entry; it is not a checkpoint of a run."
+        )
     differ = []
     if "seed" in meta and meta["seed"] != cfg.seed:
         differ.append(f"seed (the run has {meta['seed']}, this command {cfg.seed})")
@@ -109,10 +116,10 @@ def check_checkpoint(cfg, total_steps: int) -> tuple[Path, dict]:
             differ.append(f"model (fields {fields})")
     if differ:
         raise CheckpointError(
-            f"resume={cfg.resume}: these settings cannot change on resume, and differ from the run that wrote "
-            f"{file}: {'; '.join(differ)}. The resumed run restores the model, its generators and its step, "
-            "so they would have no effect: drop those overrides (use the run's experiment and settings), or "
-            "start a new run."
+            f"resume={cfg.resume}: these settings cannot change on resume, and differ from the run that "
+            f"wrote {file}: {'; '.join(differ)}. The resumed run restores the model, its generators and its "
+            "step, so they would have no effect: drop those overrides (use the run's experiment and "
+            "settings), or start a new run."
         )
     return file, meta
 

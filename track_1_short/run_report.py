@@ -36,8 +36,9 @@ class RunInterrupted(Exception):
             )
         kept = [o for o in overrides if not o.lstrip("+~").startswith(("resume=", "run_name="))]
         command = " ".join(["python -m track_1_short.train", f"resume={self.run_dir}", *kept])
+        step = int(self.checkpoint.stem.split("_")[1])
         return (
-            f"{where} The last checkpoint is {self.checkpoint} (step {int(self.checkpoint.stem.split('_')[1])}); "
+            f"{where} The last checkpoint is {self.checkpoint} (step {step}); "
             f"continue the run in its directory with: {command}"
         )
 
