@@ -67,6 +67,7 @@ def build(cfg) -> trainer.Trainer:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     tcfg = to_object(cfg)
     device = distributed.init(trainer.select_device(tcfg))
+    trainer.apply_cpu_threads(tcfg, device)
     return trainer.Trainer(tcfg, resolved, device)
 
 

@@ -139,3 +139,98 @@ def test_accumulation_keeps_the_global_batch_for_any_world_size():
 def test_schema_is_registered_for_the_yaml_defaults():
     cfg = compose_train()
     assert OmegaConf.get_type(cfg) is TrainConfig
+
+
+# -- the README's command lines compose what the README says they do --
+README = CONFIGS.parent / "README.md"
+GPT2 = {"model.vocab_size": 50257, "data.vocab_size": 50257, "data.bos_id": 50256}
+COMPACT = {"model.vocab_size": 2176, "data.vocab_size": 2176, "data.bos_id": 2175, "data.val_tokens": 8192}
+# Every `python -m track_1_short.train` line of the README (its overrides) -> what it must compose.
+README_COMMANDS = {
+    "": {**COMPACT, "steps": 176, "model.num_layers": 8, "data.kind": "synthetic"},
+    "experiment=record": {**GPT2, "steps": 1194, "model.num_layers": 11, "data.kind": "shards"},
+    "seed=3 schedule.lr_floor=0.2 optim.adam_every=1": {
+        **COMPACT,
+        "seed": 3,
+        "schedule.lr_floor": 0.2,
+        "optim.adam_every": 1,
+    },
+    "model=track1 data=fineweb10B schedule=track1": {
+        **GPT2,
+        "data.val_tokens": 10485760,
+        "steps": 1194,
+        "model.num_layers": 11,
+        "data.kind": "shards",
+    },
+    "checkpoint.every=50": {**COMPACT, "checkpoint.every": 50},
+    "resume=runs/<run>/checkpoints": {**COMPACT, "resume": "runs/RUN/checkpoints"},  # <run>: a placeholder
+    "experiment=smoke_record": {**COMPACT, "steps": 16, "smoke_target": 6.55},
+}
+
+
+def readme_commands() -> set[str]:
+    """The overrides of every README line that runs the entry point (comments and --cfg flags dropped)."""
+    found = set()
+    for line in README.read_text().splitlines():
+        if "-m track_1_short.train" not in line or line.lstrip().startswith(("`", "|")):
+            continue
+        tail = line.split("-m track_1_short.train", 1)[1].split("#", 1)[0].split("&&", 1)[0]
+        found.add(" ".join(w for w in tail.split() if "=" in w and not w.startswith("-")))
+    return found
+
+
+def test_every_readme_command_line_has_an_expectation():
+    assert readme_commands() <= set(README_COMMANDS), readme_commands() - set(README_COMMANDS)
+    assert {"", "model=track1 data=fineweb10B schedule=track1"} <= readme_commands()
+
+
+@pytest.mark.parametrize("line", sorted(README_COMMANDS))
+def test_readme_command_line_composes_what_the_readme_says(line):
+    cfg = to_object(compose_train(*line.replace("<run>", "RUN").split()))
+    for key, want in README_COMMANDS[line].items():
+        got = (
+            schedule.total_steps(cfg.schedule)
+            if key == "steps"
+            else OmegaConf.select(OmegaConf.structured(cfg), key)
+        )
+        assert got == want, f"{line!r}: {key} = {got}, the README promises {want}"
+    world = 8 if cfg.data.kind == "shards" else 1
+    check_run(cfg, world_size=world)  # the composed run fits together (vocabulary, batches)
+
+
+def test_tiny_model_follows_the_data_vocabulary():
+    cfg = to_object(compose_train("model=tiny", "data=fineweb10B"))
+    assert cfg.model.vocab_size == cfg.data.vocab_size == 50257
+
+
+# -- unknown keys, in every form --
+@pytest.mark.parametrize("form", ["", "+", "++"])
+def test_unknown_key_is_refused_in_every_override_form_with_a_suggestion(form):
+    from track_1_short.config import check_override_keys
+
+    with pytest.raises(ConfigError, match=r"'schedul\.lr_floor'.*Did you mean 'schedule\.lr_floor'"):
+        check_override_keys([f"{form}schedul.lr_floor=0.2"], groups=GROUPS)
+
+
+@pytest.mark.parametrize("override", ["+schedul.lr_floor=0.2", "++schedul.lr_floor=0.2", "++seedd=1"])
+def test_a_key_added_with_plus_is_refused_in_the_composed_config(override):
+    cfg = compose_train(override)  # Hydra lets + and ++ add a key the schema lacks
+    with pytest.raises(ConfigError, match="Did you mean"):
+        to_object(cfg)
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["seed=3", "+model=track1", "experiment=record", "model.param_table.lm_head.lr_mul=2", "hydra.run.dir=x",
+     "schedule.stages.0.steps=3", "++seed=4", "resume=runs/x"],
+)  # fmt: skip
+def test_known_keys_and_group_choices_pass_the_override_check(override):
+    from track_1_short.config import check_override_keys
+
+    check_override_keys([override], groups=GROUPS)
+
+
+def test_cpu_threads_is_a_config_field_with_a_checked_range():
+    assert to_object(compose_train()).cpu_threads == 1
+    with pytest.raises(ConfigError, match="cpu_threads"):
+        to_object(compose_train("cpu_threads=-1"))

@@ -99,8 +99,21 @@ def test_sigkill_at_a_random_step_then_resume_is_bitwise_equal_to_the_uninterrup
         checkpoint.load(latest)["rng"]["torch"],
         checkpoint.load(uninterrupted["ckpts"] / latest.name)["rng"]["torch"],
     )
-    resumed = trainer.run(short_cfg(str(tmp_path), f"resume={ckpts}", "run_name=resumed"))
+    # resume= alone continues the killed run in its own directory.
+    resumed = trainer.run(short_cfg(str(tmp_path), f"resume={ckpts}"))
+    assert resumed.run_dir == tmp_path / "killed"
     assert resumed.train_losses == uninterrupted["result"].train_losses[latest_step(latest) :]
+    # The directory holds one run: the gate reads it finished, with the resumed run's final val loss.
+    sys.path.insert(0, str(ROOT))
+    from tools import record_gate
+
+    for run in (
+        record_gate.read_run_dir(resumed.run_dir),
+        record_gate.read_text_log(resumed.run_dir / "log.txt"),
+    ):
+        assert run.finished and run.final_loss == pytest.approx(
+            resumed.val_loss, abs=5e-5
+        )  # text: 4 decimals
     state = final_state(resumed.trainer)
     assert_tree_bitwise_equal(state["params"], uninterrupted["params"], f"params, killed at {kill_at}")
     assert_tree_bitwise_equal(
@@ -271,7 +284,8 @@ def two_ranks(uninterrupted, tmp_path_factory):
     scenarios = {
         # checksums every step: identical replicas never raise
         "plain": ("train", root, (*CKPT, "guards.checksum_every=1", "run_name=plain")),
-        "from_one": ("resume", root, str(uninterrupted["ckpts"] / "step_000002.pt"), ()),
+        # The reference run finished: its checkpoint starts a new run (run_name) rather than continuing it.
+        "from_one": ("resume", root, str(uninterrupted["ckpts"] / "step_000002.pt"), ("run_name=from_one",)),
         "resumed": ("resume", root, f"{root}/killed/checkpoints", ()),
         "skip": ("train", root, ("guards.nan_policy=skip", *rank1_nan, f"{fi}nan_grad_label=smear_gate")),
         "stop": (
@@ -323,7 +337,7 @@ def test_resume_across_world_sizes_two_to_one_reshards_exactly_and_matches_withi
 ):
     plain = two_ranks["plain"]
     ckpt = Path(plain[0]["run_dir"]) / "checkpoints" / "step_000002.pt"
-    t = build(short_cfg(str(tmp_path), f"resume={ckpt}"))
+    t = build(short_cfg(str(tmp_path), f"resume={ckpt}", "run_name=two_to_one"))
     t.resume(str(ckpt))
     assert_tree_bitwise_equal(t.opt.state_dict(), checkpoint.load(ckpt)["optimizer"])
     r = t.train()

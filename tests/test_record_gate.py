@@ -15,6 +15,7 @@ import pytest
 from scipy import stats
 
 from tests.fixtures.make_upstream_fixture import FIXTURE_DIR, write_fixture
+from tools import record_gate
 from tools.record_gate import (
     EXIT_BAD_INPUT,
     EXIT_FAIL,
@@ -500,3 +501,32 @@ def test_run_gate_raises_our_error_type_for_library_callers(tmp_path):
     with pytest.raises(RecordGateInputError, match="no run logs"):
         run_gate(tmp_path)
     assert issubclass(RecordGateInputError, ValueError)
+
+
+def test_time_panel_error_bar_never_reaches_below_zero():
+    # Times 1, 1, 10 s: mean 4, sample std ~5.2; the lower arm stops at 0 s, the upper keeps the std.
+    (lower,), (upper,) = record_gate.error_bar(4.0, 5.2)
+    assert lower == 4.0 and upper == 5.2
+    assert record_gate.error_bar(4.0, 1.0) == [[1.0], [1.0]]  # a bar that stays above 0 is untouched
+
+
+def test_a_resumed_run_directory_is_one_run_whose_superseded_steps_are_dropped(tmp_path):
+    from track_1_short.run_log import RunLog, mark_resumption
+
+    d = tmp_path / "runs" / "r"
+    log = RunLog(d)
+    log.start(total_steps=6, seed=0, config={})
+    for s in (1, 2, 3, 4, 5):
+        log.train(s, 6, 2.0, 1.0, 10 * s, 10.0 * s, 10.0, progress_line=True)
+    log.val(5, 6, 9.9, 50.0, 10.0)  # logged by the killed run after its last checkpoint (step 4)
+    mark_resumption(log, Path("ckpt/step_000004.pt"), 4, 6)
+    log.start(total_steps=6, seed=0, config={}, start_step=4)
+    for s in (5, 6):
+        log.train(s, 6, 1.0, 1.0, 10 * s, 10.0 * s, 10.0, progress_line=True)
+    log.val(6, 6, 1.5, 60.0, 10.0)
+    log.end(6, 6, "finished", val_loss=1.5, train_time_ms=60.0)
+    log.close()
+    for run in (record_gate.read_run_dir(d), record_gate.read_text_log(d / "log.txt")):
+        assert run.finished and run.final_loss == 1.5
+        assert run.curve == [(6, 1.5)]  # the killed run's val at step 5 is superseded
+    assert len(record_gate.load_runs(tmp_path / "runs").scored) == 1

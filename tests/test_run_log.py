@@ -67,8 +67,11 @@ def test_run_directory_holds_the_four_files_with_the_contract_fields(tmp_path):
     assert {"step", "total_steps", "status", "val_loss", "train_time_ms"} <= events[-1].keys()
     assert run_log.is_finished(d)
     lines = (d / "log.txt").read_text().splitlines()
-    assert [run_log.parse_progress(x)["step"] for x in lines] == [4, 4]
-    assert run_log.parse_progress(lines[-1])["val_loss"] == 1.5
+    progress = [p for x in lines if (p := run_log.parse_progress(x)) is not None]
+    assert [p["step"] for p in progress] == [4, 4]
+    assert progress[-1]["val_loss"] == 1.5
+    # Throughput sits on its own line after the progress line: 400 tokens in 40 ms.
+    assert lines[1].split() == ["tokens_seen:400", "tokens/s:10000", "(mean", "over", "the", "train", "time)"]
 
 
 def test_run_without_final_val_is_not_finished(tmp_path):

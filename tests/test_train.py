@@ -101,7 +101,7 @@ def test_resumed_run_reproduces_the_uninterrupted_run_bitwise(one_process, tmp_p
     ckpts = checkpoint.list_checkpoints(one_process.run_dir / "checkpoints")
     assert [p.name for p in ckpts] == ["step_000004.pt", "step_000006.pt"]  # keep_last=2; none at the end
     # From step 4: crosses the stage transition (5) and the embedding split (after 6) after resuming.
-    resumed = trainer.run(short_cfg(str(tmp_path), MICRO, f"resume={ckpts[0]}"))
+    resumed = trainer.run(short_cfg(str(tmp_path), MICRO, f"resume={ckpts[0]}", "run_name=resumed"))
     assert resumed.train_losses == one_process.train_losses[4:]
     assert_bitwise_equal(params_of(resumed), params_of(one_process))
     assert resumed.val_loss == one_process.val_loss
@@ -114,6 +114,7 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(one_pro
     assert_bitwise_equal(r0["params"], r1["params"])  # replicas stay identical
     assert sorted(p.name for p in Path(r0["run_dir"]).iterdir()) == [
         "config.yaml",
+        "curves.png",
         "env.json",
         "events.jsonl",
         "log.txt",
@@ -219,3 +220,60 @@ def test_loss_sum_ranks_backprops_upstreams_summed_loss_of_one_of_n_ranks(tmp_pa
     assert mean.keys() == summed.keys() and mean
     for label in mean:
         assert torch.equal(summed[label], mean[label] * 64), label
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("+schedul.lr_floor=0.2",), "Did you mean 'schedule.lr_floor'"),  # ours, before Hydra composes
+        (("seed=abc",), "seed"),  # Hydra's own composition error
+        (("fault_injection.nan_grad_value=bad",), "nan_grad_value"),  # a group's __post_init__
+    ],
+)
+def test_bad_flags_exit_2_with_one_message_and_no_traceback(args, match, tmp_path):
+    out = _cli(*args, f"runs_root={tmp_path}")
+    assert out.returncode == 2, out.stderr
+    assert match in out.stderr and "Traceback" not in out.stderr
+    assert not any(tmp_path.iterdir())  # nothing ran, nothing was written
+
+
+def test_cli_run_keeps_the_summary_and_curves_and_never_writes_carriage_returns(tmp_path):
+    args = ("experiment=smoke_record", "progress_bar=true", f"runs_root={tmp_path}", "run_name=cli")
+    out = _cli(*args)
+    assert out.returncode == 0, out.stderr
+    assert "\r" not in out.stderr  # stderr is a pipe here: no progress bar
+    run_dir = tmp_path / "cli"
+    summary = out.stdout.strip().splitlines()
+    assert summary[0].startswith("final val loss") and "tokens/s" in summary[1]
+    assert (run_dir / "log.txt").read_text().splitlines()[-2:] == summary
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    before = (run_dir / "events.jsonl").read_bytes()
+    again = _cli(*args)  # the same run_name again: refused, the run's files untouched
+    assert again.returncode == 2 and "already holds a run" in again.stderr
+    assert (run_dir / "events.jsonl").read_bytes() == before
+
+
+def test_ctrl_c_exits_130_with_one_paragraph_naming_the_checkpoint_and_the_resume_command(tmp_path):
+    import signal
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    args = ["experiment=smoke_record", "checkpoint.every=2", f"runs_root={tmp_path}", "run_name=c"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "track_1_short.train", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    ckpts = tmp_path / "c" / "checkpoints"
+    deadline = time.monotonic() + 90
+    while not (ckpts / "latest").is_file() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "step_0000" in lines[0] and f"resume={tmp_path / 'c'}" in lines[0]

@@ -10,7 +10,9 @@ shift, it does not prove equality.
 
 Each directory holds runs: upstream text logs (``*.txt``), or this project's run directories (a directory
 holding ``events.jsonl`` and/or ``log.txt``, written by ``track_1_short/run_log.py``; ``events.jsonl`` is read
-when present, as it keeps the full-precision loss). A run is finished when it has a val line or event at
+when present, as it keeps the full-precision loss). A resumed run continues in its own directory after a
+marker (a ``resume`` event; a ``resumed at step:K/M`` line): it is one run, and what it logged after step K
+before the marker is superseded. A run is finished when it has a val line or event at
 step == total steps; that line gives the run's loss and its time (``train_time`` at that line). Runs that did
 not finish are listed and excluded. A finished run whose final loss is not finite (nan, inf) diverged: it
 fails a candidate set and is left out of a baseline's statistics, with a note.
@@ -43,6 +45,8 @@ PROGRESS_FORMAT = "step:N/M val_loss:X.XXXX train_time:Yms step_avg:Z.ZZms"
 
 _DECIMAL = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 _INTEGER = re.compile(r"\d+")
+# A resumed run's marker in its log.txt (track_1_short/run_log.py writes it).
+_RESUMED = re.compile(r"^resumed at step:(?P<step>\d+)/(?P<total>\d+)")
 # How Python prints a non-finite float (run_log.py logs a poisoned loss the same way, as a string).
 _NON_FINITE = {"nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"}
 
@@ -195,6 +199,10 @@ def read_text_log(path: Path, name: str | None = None) -> Run:
     totals: set[int] = set()
     last_step = None
     for lineno, line, cut_off in _lines(path):
+        resumed = _RESUMED.match(line)
+        if resumed:  # a resumed run continues here: what was logged after its step is superseded
+            vals = [v for v in vals if v.step <= int(resumed["step"])]
+            continue
         if not line.startswith("step:"):
             continue
         try:
@@ -268,6 +276,10 @@ def read_events(path: Path, name: str) -> Run:
             )
             totals.add(total)
             last_step = step
+        elif kind == "resume":  # the run continues from a checkpoint: later steps logged before it are void
+            step = _json_int(event, "step", where)
+            vals = [v for v in vals if v.step <= step]
+            failed = None
         elif kind == "end" and event.get("status") == "failed":
             failed = f"run ended with status 'failed' at step {event.get('step')}"
     return _make_run(name, path, vals, last_step, totals, failed)
@@ -737,6 +749,12 @@ def _plot_curves(ax, zoom, sets: list, target: float) -> None:
         a.grid(alpha=0.3, which="both")
 
 
+def error_bar(mean: float, std: float, floor: float = 0.0) -> list[list[float]]:
+    """matplotlib's yerr for mean ± std, its lower arm cut at ``floor``: times and losses are never negative,
+    and a bar reaching below 0 s (a wide spread over few runs) would draw an impossible value."""
+    return [[max(0.0, min(std, mean - floor))], [std]]
+
+
 def _tick(s: SetStats) -> str:
     """x tick of a set: its role, its directory's name, n, and what was left out of n."""
     counts = [f"n={s.n}"]
@@ -766,7 +784,7 @@ def write_plot(result: GateResult, path: Path) -> None:
         for ax, values, mean, std in ((ax_loss, s.losses, s.mean_loss, s.std_loss),
                                       (ax_time, s.times_s, s.mean_time_s, s.std_time_s)):  # fmt: skip
             ax.scatter(xs, values, color=color, s=22, alpha=0.8, zorder=3)
-            ax.errorbar(i + 0.3, mean, yerr=std, fmt="D", color="black", capsize=4, zorder=4)
+            ax.errorbar(i + 0.3, mean, yerr=error_bar(mean, std), fmt="D", color="black", capsize=4, zorder=4)
     ax_loss.axhline(result.target, color="tab:red", linestyle="--", label=f"target {result.target}")
     ax_loss.errorbar([], [], yerr=[], fmt="D", color="black", capsize=4, label="mean ± sample std")
     ax_loss.set_title("final val loss per run")

@@ -224,14 +224,19 @@ def resolve(path: str | Path) -> Path:
     return path
 
 
-def load(path: str | Path) -> dict[str, Any]:
-    """Read a checkpoint (file or directory) into CPU memory, checking its format."""
+def load(path: str | Path, mmap: bool = False) -> dict[str, Any]:
+    """Read a checkpoint (file or directory) into CPU memory, checking its format.
+
+    ``mmap`` maps the tensors instead of reading them (cheap: for a check before the run starts)."""
     file = resolve(path)
     try:
-        payload = torch.load(file, map_location="cpu", weights_only=True)
+        payload = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - every unreadable file gets the same clear message
+        # One line: torch's message for a file that is not a weights-only pickle is paragraphs of advice about
+        # weights_only=False, which would load arbitrary code and is not what a damaged file needs.
         raise CheckpointError(
-            f"{file} cannot be read ({type(e).__name__}: {e}); it is truncated or not a checkpoint."
+            f"{file} cannot be read as a checkpoint ({type(e).__name__}): it is truncated, damaged or not a "
+            "checkpoint of this program; resume from another one (an older step_*.pt beside it)."
         ) from e
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         got = payload.get("format") if isinstance(payload, dict) else type(payload).__name__

@@ -12,6 +12,10 @@ Cross-group checks that need more than one group (vocabulary, batch geometry aga
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
@@ -50,6 +54,10 @@ class TrainConfig:
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     """A test facility (track_1_short/guards.py): breaks a run on purpose; off by default."""
 
+    cpu_threads: int = 1
+    """Intra-op threads of torch on the CPU (torch.set_num_threads at the start of a run); 0 = torch's default
+    (one per core). 1 because a second thread gains little on an idle 2-core machine and loses up to 10x when
+    another process competes for the cores (the README has the figures)."""
     seed: int = 0
     """Seed of the model init and every generator (same on every rank, so replicas start equal)."""
     device: str = "auto"
@@ -87,7 +95,7 @@ class TrainConfig:
     """Target val loss the record gate tests this preset's runs against; null = none (record: 3.28)."""
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_tokens", "val_every", "check_every", "loss_sum_ranks"):
+        for name in ("micro_batch_tokens", "val_every", "check_every", "loss_sum_ranks", "cpu_threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0.")
         if self.log_every < 1:
@@ -114,10 +122,115 @@ def register() -> None:
 register()
 
 
+# -- unknown keys --------------------------------------------------------------------------------------------
+# Hydra refuses ``key=value`` for a key the schema lacks, but ``+key=value`` and ``++key=value`` open the node
+# and add it; OmegaConf.to_object then drops it, so the run would ignore the value while config.yaml records
+# it. Both checks below refuse such keys: one on the command line (every form), one on the composed config.
+
+
+def _field_types(cls: type) -> dict[str, typing.Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _child(tp: typing.Any, key: str) -> tuple[bool, typing.Any]:
+    """(known, type of the child) for ``key`` under a node of type ``tp``; a type of None takes any key."""
+    if dataclasses.is_dataclass(tp):
+        fields = _field_types(tp)
+        return (key in fields, fields.get(key))
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _child(args[0], key) if len(args) == 1 else (True, None)
+    if origin in (list, tuple, Sequence) or tp in (list, tuple):
+        args = typing.get_args(tp)
+        return (key.isdigit(), args[0] if args else None)
+    if origin is dict or tp is dict or tp is typing.Any or tp is None:
+        return (True, None)
+    return (False, None)  # a leaf (int, str, ...) has no keys below it
+
+
+def schema_paths(cls: type | None = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (dataclass fields, recursively), for "did you mean"."""
+    cls = cls or TrainConfig
+    out = []
+    for name, tp in _field_types(cls).items():
+        path = f"{prefix}{name}"
+        out.append(path)
+        if dataclasses.is_dataclass(tp):
+            out += schema_paths(tp, path + ".")
+    return out
+
+
+def unknown_key(path: str) -> str | None:
+    """The first prefix of the dotted ``path`` the schema does not know, or None if it knows all of it."""
+    tp: typing.Any = TrainConfig
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if tp is None:
+            return None
+        known, tp = _child(tp, part)
+        if not known:
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def _unknown_key_error(key: str, where: str) -> ConfigError:
+    # Candidates at the key's own depth: 'model.foo' should suggest a model field, not 'model' itself.
+    same_depth = [p for p in schema_paths() if p.count(".") == key.count(".")]
+    close = difflib.get_close_matches(key, same_depth, n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ConfigError(
+        f"unknown config key {key!r} ({where}).{hint} The schema (track_1_short/config.py) has no such "
+        "field; a key added with + or ++ would be ignored by the run, so every form is refused."
+    )
+
+
+def check_override_keys(overrides: Sequence[str], groups: Sequence[str] = ()) -> None:
+    """Refuse a command-line override whose key the schema lacks, in every form (key=, +key=, ++key=, ~key).
+
+    ``groups`` are the config group names (``model=track1`` selects a file, it sets no key); Hydra's own
+    ``hydra.*`` keys and ``hydra/...`` groups are Hydra's to check. Overrides that do not parse are left to
+    Hydra, which reports them.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for text in overrides:
+        try:
+            (override,) = parser.parse_overrides([text])
+        except HydraException:
+            continue
+        key = override.key_or_group
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")) or "/" in key or "@" in key:
+            continue
+        if key in groups:
+            continue
+        bad = unknown_key(key)
+        if bad is not None:
+            raise _unknown_key_error(key, f"in the override {text!r}")
+
+
+def assert_no_unknown_keys(cfg: DictConfig, prefix: str = "") -> None:
+    """Refuse a composed config holding a key its schema lacks (one added by + or ++, or by a group file)."""
+    tp = OmegaConf.get_type(cfg)
+    if not dataclasses.is_dataclass(tp):
+        return
+    fields = _field_types(tp)
+    for key in cfg.keys():
+        if key not in fields:
+            raise _unknown_key_error(f"{prefix}{key}", "in the composed config")
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
+            assert_no_unknown_keys(node, f"{prefix}{key}.")
+
+
 def to_object(cfg: DictConfig | TrainConfig) -> TrainConfig:
     """A composed DictConfig as TrainConfig instances, running every group's ``__post_init__`` checks."""
     if isinstance(cfg, TrainConfig):
         return cfg
+    assert_no_unknown_keys(cfg)
     try:
         obj = OmegaConf.to_object(cfg)
     except ConfigError:

@@ -3,9 +3,16 @@
     <run_dir>/log.txt       human log; progress lines in the upstream format that existing tools parse:
                             ``step:N/M val_loss:X.XXXX train_time:Yms step_avg:Z.ZZms`` (train-only lines
                             omit the val_loss field)
-    <run_dir>/events.jsonl  one JSON object a line, key "event" in start | train | val | end
+    <run_dir>/events.jsonl  one JSON object a line, key "event" in start | train | val | end | resume |
+                            summary (run_report.py, after the end of a finished run)
+    <run_dir>/curves.png    train and val loss against the reference losses (curves.py), at the end
     <run_dir>/config.yaml   the resolved config, written before step 0
     <run_dir>/env.json      versions and devices
+
+A resumed run appends to its own directory: a ``resume`` event and a log.txt line ``resumed at step:K/M
+from <checkpoint>`` mark where it continues, and whatever the directory logged for steps after K before the
+resumption (the steps a killed run made past its last checkpoint) is superseded by what follows, so the
+directory still holds one run (tools/record_gate.py reads it so).
 
 Step numbers in progress lines count completed steps (upstream): the line after the last training step, and
 the final validation, read ``step:M/M``. A run is finished when it has a val event at step == total_steps.
@@ -23,7 +30,8 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-EVENTS = ("start", "phase", "train", "val", "end")
+EVENTS = ("start", "train", "val", "end", "phase", "resume", "summary")
+RESUMED = re.compile(r"^resumed at step:(?P<step>\d+)/(?P<total>\d+)")  # the log.txt marker
 
 _PROGRESS = re.compile(
     r"^step:(?P<step>\d+)/(?P<total>\d+)"
@@ -167,6 +175,9 @@ class RunLog:
         )
         if progress_line:
             self.text(format_progress(step, total_steps, train_time_ms, step_avg_ms))
+            # Throughput on its own line: the progress line keeps the upstream format that tools parse.
+            rate = tokens_seen / (train_time_ms / 1e3) if train_time_ms > 0 else 0.0
+            self.text(f"  tokens_seen:{tokens_seen} tokens/s:{rate:.0f} (mean over the train time)")
 
     def val(
         self, step: int, total_steps: int, val_loss: float, train_time_ms: float, step_avg_ms: float
@@ -214,6 +225,13 @@ class RunLog:
             if f is not None:
                 f.close()
         self._text = self._events = None
+
+
+def mark_resumption(log: RunLog, checkpoint_file: Path, step: int, total_steps: int) -> None:
+    """The marked resumption a continued run appends before its first step (see the module docstring)."""
+    log.text(f"resumed at step:{step}/{total_steps} from {checkpoint_file}")
+    log.event("resume", step=step, total_steps=total_steps, checkpoint=str(checkpoint_file))
+    log.flush()
 
 
 def read_events(run_dir: str | Path) -> list[dict]:

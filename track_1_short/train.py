@@ -1,13 +1,21 @@
 """Train: ``python -m track_1_short.train [overrides]``; N processes: ``torchrun --nproc_per_node=N -m ...``.
 
 With no arguments this is the embedded default run (the tiny model on the synthetic corpus, CPU-sized). The
-phases live in trainer.py; this file composes the config, runs them and reports. User errors (bad data, bad
-flags, bad checkpoints) print one paragraph and exit with status 2; set HYDRA_FULL_ERROR=1 for the traceback.
-A first reader can skip ``track_1_short/perf/``: fast paths with the same results as their references.
+phases live in trainer.py; this file composes the config, runs them and reports. A first reader can skip
+``track_1_short/perf/``: fast paths with the same results as their references.
+
+Exit status, one convention for every path (README "Exit status"):
+    0    the run finished
+    1    the run started and failed (a non-finite loss or gradient, replicas that drifted apart)
+    2    bad input, nothing ran: flags (ours or Hydra's: an unknown key, a wrong type, an unknown group
+         option), data, checkpoint, run directory; one paragraph says what and how to fix it
+    130  interrupted (Ctrl-C); the paragraph names the last checkpoint and the command that resumes
+Set HYDRA_FULL_ERROR=1 for the traceback.
 """
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -20,19 +28,31 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from track_1_short import config as _schema  # noqa: E402,F401  (registers train_schema)
-from track_1_short import distributed, trainer  # noqa: E402
+from track_1_short import distributed, run_report, trainer  # noqa: E402
 
-EXIT_USER_ERROR = 2  # bad data, flags or checkpoint: nothing ran
+EXIT_USER_ERROR = 2  # bad data, flags, checkpoint or run directory: nothing ran
 EXIT_FAILED = 1  # the run started and failed (e.g. a NaN loss)
+EXIT_INTERRUPTED = 130  # Ctrl-C (the shell's 128 + SIGINT)
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+_entered_main = False  # set once Hydra composed the config: an exit of 1 before it is Hydra's error
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from track_1_short import data
     from track_1_short.checkpoint import CheckpointError
     from track_1_short.config import ConfigError
+    from track_1_short.guards import GuardConfigError
     from track_1_short.optim.anvil import OptimizerStateError
+    from track_1_short.preflight import RunDirError
 
-    return (ConfigError, CheckpointError, OptimizerStateError, *data.USER_ERRORS)
+    return (
+        ConfigError,
+        CheckpointError,
+        OptimizerStateError,
+        GuardConfigError,
+        RunDirError,
+        *data.USER_ERRORS,
+    )
 
 
 def _run_failures() -> tuple[type[BaseException], ...]:
@@ -42,24 +62,20 @@ def _run_failures() -> tuple[type[BaseException], ...]:
     return (trainer.NonFiniteLossError, guards.NonFiniteGradError, guards.ReplicaDivergenceError)
 
 
-def _report(result: trainer.RunResult) -> None:
-    facts = result.corpus
-    line = f"final val loss {result.val_loss:.4f} nats/token after {result.steps} steps"
-    if "unigram_entropy" in facts and "entropy_floor" in facts:
-        line += (
-            f" | corpus unigram entropy {facts['unigram_entropy']:.4f},"
-            f" entropy floor {facts['entropy_floor']:.4f}"
-            " (a model without context scores the first at best, a perfect one the second)"
-        )
-    print(line)
-    print(f"train time {result.train_time_ms / 1e3:.1f} s; run directory {result.run_dir}")
-
-
 @hydra.main(config_path="../configs", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
+    global _entered_main
+    _entered_main = True
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"  # Hydra's own switch for tracebacks
     try:
         result = trainer.run(cfg)
+    except run_report.RunInterrupted as e:
+        if full_error:
+            raise
+        if distributed.is_main():
+            print(f"\n{e.paragraph(_overrides())}", file=sys.stderr)
+        distributed.destroy()
+        sys.exit(EXIT_INTERRUPTED)
     except (*_user_errors(), *_run_failures()) as e:
         if full_error:
             raise
@@ -67,11 +83,32 @@ def main(cfg: DictConfig) -> None:
             print(f"error: {e}", file=sys.stderr)
         distributed.destroy()
         sys.exit(EXIT_FAILED if isinstance(e, _run_failures()) else EXIT_USER_ERROR)
-    main_rank = distributed.is_main()
     distributed.destroy()
-    if main_rank:
-        _report(result)
+    for line in result.summary:
+        print(line)
+
+
+def _overrides() -> list[str]:
+    return [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
+
+
+def cli() -> None:
+    """Refuse unknown keys in every override form first, then run; Hydra's own errors exit 2 as ours do."""
+    from track_1_short.config import ConfigError, check_override_keys
+
+    groups = [p.name for p in CONFIGS.iterdir() if p.is_dir()]
+    try:
+        check_override_keys(_overrides(), groups)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    try:
+        main()
+    except SystemExit as e:
+        if e.code == 1 and not _entered_main:  # Hydra printed its composition error and exits 1
+            sys.exit(EXIT_USER_ERROR)
+        raise
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from track_1_short import checkpoint, compile_watch, distributed, schedule
+from track_1_short import checkpoint, compile_watch, distributed, preflight, run_log, run_report, schedule
 from track_1_short.checkpoint import CheckpointError, NonFiniteError
 from track_1_short.config import ConfigError, TrainConfig, accumulation_steps, check_run, to_object
 from track_1_short.guards import Guards
@@ -58,6 +57,7 @@ class RunResult:
     steps: int
     train_losses: list[float] = field(default_factory=list)  # one per read-back step, all-rank mean per token
     corpus: dict[str, Any] = field(default_factory=dict)  # the synthetic corpus sidecar, if any
+    summary: list[str] = field(default_factory=list)  # the end-of-run lines (rank 0; also in log.txt)
     trainer: Trainer | None = None  # the built objects, for callers that inspect the final state (tests)
 
 
@@ -67,13 +67,6 @@ def select_device(cfg: TrainConfig) -> str:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no CUDA device is visible; use device=cpu (or auto).")
     return cfg.device
-
-
-def choose_run_dir(cfg: TrainConfig) -> Path:
-    """Rank 0 picks ``<runs_root>/<name>``; every rank gets the same path."""
-    name = cfg.run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-    chosen = str(Path(cfg.runs_root) / name) if distributed.is_main() else None
-    return Path(distributed.broadcast_object(chosen))
 
 
 def _data_paths(data_cfg) -> dict:
@@ -155,6 +148,8 @@ class Trainer:
         self.phases.say(f"data: {cfg.data.kind} ({cfg.data.dir})")
         self.paths = _data_paths(cfg.data)
         data_s = time.perf_counter() - t
+        # Every file the run reads, the checkpoint and the run directory, before anything is built or written.
+        self.plan = preflight.prepare(cfg, self.paths, self.total_steps)
 
         t = time.perf_counter()
         torch.manual_seed(cfg.seed)
@@ -191,10 +186,11 @@ class Trainer:
         self.step = 0
         self.train_time_ms = 0.0
         self.tokens_seen = 0
-        self.run_dir = choose_run_dir(cfg)
+        self.run_dir = self.plan.run_dir
         self.log = RunLog(self.run_dir, enabled=distributed.is_main())
-        self.log.write_config(OmegaConf.to_yaml(resolved))
-        self.log.write_env({**environment(), "world_size": self.world, "device": str(device)})
+        if not self.plan.continuing:  # a continued run keeps the config.yaml it started with
+            self.log.write_config(OmegaConf.to_yaml(resolved))
+            self.log.write_env({**environment(), "world_size": self.world, "device": str(device)})
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.resolved = resolved
         self.phases.log = self.log
@@ -228,6 +224,10 @@ class Trainer:
                 "world_size": self.world,
                 "train_time_ms": self.train_time_ms,
                 "tokens_seen": self.tokens_seen,
+                # What a resume may not change (preflight.check_checkpoint), and where the run lives.
+                "seed": self.cfg.seed,
+                "schedule": OmegaConf.to_container(OmegaConf.structured(self.cfg.schedule)),
+                "run_dir": str(self.run_dir),
             },
         }
 
@@ -276,6 +276,7 @@ class Trainer:
         self._restore_(payload)
         self.train_time_ms = float(payload["meta"]["train_time_ms"])
         self.tokens_seen = int(payload["meta"]["tokens_seen"])
+        run_log.mark_resumption(self.log, checkpoint.resolve(path), self.step, self.total_steps)
 
     # -- one step --
     def train_step(self, step: int, marks=None) -> torch.Tensor:
@@ -408,7 +409,9 @@ class Trainer:
         bar = tqdm(
             total=n,
             initial=self.step,
-            disable=not (cfg.progress_bar and distributed.is_main()),
+            # Off when stderr is not a terminal: a redirected bar is kilobytes of carriage returns (the
+            # progress is in log.txt).
+            disable=not (cfg.progress_bar and distributed.is_main() and sys.stderr.isatty()),
             unit="step",
             dynamic_ncols=True,
         )
@@ -530,11 +533,23 @@ def run(cfg: DictConfig | TrainConfig) -> RunResult:
     resolved_dict = OmegaConf.to_container(resolved, resolve=True)
     tcfg = to_object(cfg)
     device = distributed.init(select_device(tcfg))
-    trainer = Trainer(tcfg, resolved_dict, device)
-    if tcfg.resume:
-        trainer.resume(tcfg.resume)
-    trainer.warmup()
-    result = trainer.train()
+    apply_cpu_threads(tcfg, device)
+    trainer = None
+    try:
+        trainer = Trainer(tcfg, resolved_dict, device)
+        if tcfg.resume:
+            trainer.resume(tcfg.resume)
+        trainer.warmup()
+        result = trainer.train()
+    except KeyboardInterrupt as e:
+        raise run_report.RunInterrupted(trainer) from e
     result.corpus = corpus_facts(trainer.paths)
     result.trainer = trainer
+    result.summary = run_report.finish(trainer, result)
     return result
+
+
+def apply_cpu_threads(cfg: TrainConfig, device: torch.device) -> None:
+    """torch's intra-op threads on the CPU from ``cpu_threads`` (0 leaves torch's default)."""
+    if device.type == "cpu" and cfg.cpu_threads > 0:
+        torch.set_num_threads(cfg.cpu_threads)
