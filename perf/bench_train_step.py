@@ -363,7 +363,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("overrides", nargs="*", help="Hydra overrides of the training config, e.g. experiment=record_1gpu")
     add("--device", default="cuda", choices=["cuda", "cpu"], help="where to run (default cuda)")
     add("--tiny", action="store_true", help=f"experiment={TINY_EXPERIMENT} (CPU smoke test)")
-    add("--stages", type=int, nargs="+", default=[0, 2], help="schedule stages to measure (default 0 2)")
+    add("--stages", type=int, nargs="+", default=None, help="schedule stages to measure (0 2; --tiny 0)")
     add("--warmup", type=int, default=None, help="untimed steps per stage; the first compiles (4; cpu 2)")
     add("--steps", type=int, default=None, help="timed steps per stage (20; cpu 2)")
     add("--profile", action=argparse.BooleanOptionalAction, default=True, help="CUDA kernel breakdown")
@@ -374,6 +374,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     experiment = TINY_EXPERIMENT if args.tiny else DEFAULT_EXPERIMENT
     if not any(o.lstrip("+").startswith("experiment=") for o in args.overrides):
         args.overrides = [f"experiment={experiment}", *args.overrides]
+    args.stages = args.stages if args.stages is not None else [0] if args.tiny else [0, 2]
     args.warmup = 2 if cpu and args.warmup is None else 4 if args.warmup is None else args.warmup
     args.steps = 2 if cpu and args.steps is None else 20 if args.steps is None else args.steps
     args.matmul_size = args.matmul_size or (256 if cpu else 8192)

@@ -4,11 +4,8 @@ import math
 
 import pytest
 import torch
-from omegaconf.errors import ValidationError
 
 from tests.perf_scripts import load_perf_script
-from track_1_short.perf.bench_meta import REPO_ROOT
-from track_1_short.schedule import ScheduleConfig, StageConfig
 
 
 def load_bench():
@@ -16,53 +13,6 @@ def load_bench():
 
 
 bench = load_bench()
-
-
-def track1_schedule() -> ScheduleConfig:
-    return bench.load_structured(ScheduleConfig, REPO_ROOT / "configs" / "schedule" / "track1.yaml")
-
-
-def test_stage_shapes_are_the_records_per_rank_microbatches():
-    stage0, stage2 = bench.stage_shapes(track1_schedule(), [0, 2], tiny=False)
-    assert (stage0.tokens, stage0.windows, stage0.max_doc_len, stage0.first_step) == (16384, (1, 3), 896, 0)
-    assert stage0.mtp_weights == [1.0, 0.5, 0.25]
-    assert (stage2.tokens, stage2.windows, stage2.max_doc_len, stage2.first_step) == (
-        49152,
-        (5, 11),
-        3072,
-        681,
-    )
-    assert stage2.mtp_weights == [1.0]
-
-
-def test_tiny_shapes_keep_the_stage_windows_at_a_small_size():
-    (shape,) = bench.stage_shapes(track1_schedule(), [2], tiny=True)
-    assert (shape.tokens, shape.max_doc_len, shape.windows) == (
-        bench.TINY_TOKENS,
-        bench.TINY_MAX_DOC_LEN,
-        (5, 11),
-    )
-
-
-def test_a_stage_outside_the_schedule_is_refused():
-    schedule = ScheduleConfig(stages=[StageConfig()])
-    with pytest.raises(ValueError, match="stage 3 does not exist; the schedule has 1 stages"):
-        bench.stage_shapes(schedule, [3], tiny=False)
-
-
-def test_overrides_reach_their_group_and_are_type_checked():
-    sets = bench.group_overrides(["schedule.lr_floor=0.25", "model.check_inputs=false"])
-    assert sets == {"model": ["check_inputs=false"], "optim": [], "schedule": ["lr_floor=0.25"]}
-    path = REPO_ROOT / "configs" / "schedule" / "track1.yaml"
-    assert bench.load_structured(ScheduleConfig, path, sets["schedule"]).lr_floor == 0.25
-    with pytest.raises(ValidationError, match="lr_floor"):
-        bench.load_structured(ScheduleConfig, path, ["lr_floor=fast"])
-
-
-@pytest.mark.parametrize("item", ["lr_floor=0.2", "data.x=1", "schedule.lr_floor"])
-def test_an_override_without_group_or_value_is_refused(item):
-    with pytest.raises(ValueError, match=f"--set {item}: write GROUP.KEY=VALUE"):
-        bench.group_overrides([item])
 
 
 def test_batch_flops_weigh_each_document_by_its_tokens():
@@ -79,54 +29,15 @@ def test_batch_flops_weigh_each_document_by_its_tokens():
     assert calls == [(10, [1, 3]), (30, [1, 3]), (60, [1, 3])]
 
 
-def test_a_missing_config_file_is_refused_by_name(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.yaml does not exist"):
-        bench.load_structured(ScheduleConfig, tmp_path / "nope.yaml")
-
-
-@pytest.mark.parametrize(("tokens", "cap"), [(16384, 896), (49152, 3072), (512, 160), (7, 3)])
-def test_documents_fill_the_batch_exactly_within_the_cap(tokens, cap):
-    lengths = bench.document_lengths(tokens, cap, torch.Generator().manual_seed(1))
-    assert sum(lengths) == tokens
-    assert min(lengths) >= 1 and max(lengths) <= cap
-
-
-def test_document_lengths_follow_the_capped_log_normal():
-    # Log-normal, median 400, sigma 1, capped at 3072: mean 624.6 and sd 644 (numerical integration), so ~2500
-    # documents give the mean to +-39 and the median to +-31 at 3 standard errors; another law falls outside.
-    lengths = bench.document_lengths(49152 * 32, 3072, torch.Generator().manual_seed(0))
-    mean = sum(lengths) / len(lengths)
-    median = sorted(lengths)[len(lengths) // 2]
-    assert abs(mean - 624.6) < 39, mean
-    assert abs(median - 400) < 31, median
-
-
-def test_synthetic_batch_is_shifted_whole_documents_starting_with_bos():
-    (shape,) = bench.stage_shapes(track1_schedule(), [0], tiny=True)
-    batches = bench.synthetic_batches(shape, vocab_size=100, bos_id=99, device="cpu", seed=3)
-    assert len(batches) == bench.BATCHES_PER_STAGE
-    for b in batches:
-        assert (
-            b.inputs.dtype == torch.int32
-            and b.targets.dtype == torch.int64
-            and b.cu_seqlens.dtype == torch.int32
-        )
-        assert b.inputs.shape == b.targets.shape == (shape.tokens,)
-        assert torch.equal(b.inputs[1:].long(), b.targets[:-1])
-        assert b.cu_seqlens[0] == 0 and b.cu_seqlens[-1] == shape.tokens
-        assert bool((b.cu_seqlens.diff() > 0).all())
-        assert bool((b.inputs[b.cu_seqlens[:-1].long()] == 99).all())
-        assert int(b.inputs.max()) < 100 and int(b.inputs.min()) >= 0
-        assert torch.equal(b.cu_seqlens, batches[0].cu_seqlens)  # one boundary set: one compiled graph
-    assert not torch.equal(batches[0].inputs, batches[1].inputs)
-
-
-def test_step_times_run_from_each_start_to_the_next():
-    # marks: start, after forward, after backward per step, then a closing mark
-    marks = [0.0, 2.0, 5.0, 7.0, 8.0, 11.0, 15.0]
-    assert bench.step_times(marks, 2) == [(2.0, 3.0, 2.0), (1.0, 3.0, 4.0)]
-    with pytest.raises(ValueError, match="expected 7 marks for 2 steps, got 6"):
-        bench.step_times(marks[:-1], 2)
+def test_step_times_run_from_each_start_to_the_next_and_add_up_microbatches():
+    # step 1: one microbatch; step 2: two (forward, backward, forward, backward); then the closing start.
+    labels = ["start", "forward", "backward", "start", "forward", "backward", "forward", "backward", "start"]
+    marks = [0.0, 2.0, 5.0, 7.0, 8.0, 11.0, 12.0, 14.0, 15.0]
+    assert bench.step_times(labels, marks, 2) == [(2.0, 3.0, 2.0), (1.0 + 1.0, 3.0 + 2.0, 1.0)]
+    with pytest.raises(ValueError, match="expected 2 steps of labelled marks"):
+        bench.step_times(labels[:-1], marks[:-1], 2)
+    with pytest.raises(ValueError, match="must end with its last backward"):
+        bench.step_times(["start", "backward", "forward", "start"], [0.0, 1.0, 2.0, 3.0], 1)
 
 
 def test_cycle_mean_weighs_per_kind_medians_by_the_cadence():
@@ -140,11 +51,12 @@ def test_cycle_mean_weighs_per_kind_medians_by_the_cadence():
 
 def test_cpu_timer_marks_are_ordered_and_start_at_zero():
     with bench.Timer(torch.device("cpu")) as timer:
-        for _ in range(3):
-            timer.mark()
+        for label in ("start", "forward", "backward"):
+            timer.mark(label)
             torch.ones(64, 64) @ torch.ones(64, 64)
     marks = timer.elapsed_ms()
     assert marks[0] == 0.0 and marks == sorted(marks) and len(marks) == 3
+    assert timer.labels == ["start", "forward", "backward"]
 
 
 def test_matmul_rate_is_positive_and_finite_on_cpu():
@@ -227,7 +139,7 @@ def test_printed_table_has_a_header_and_one_line_per_row(capsys):
     [
         (["--warmup", "1"], "--warmup 1 must cover an Adam cycle"),
         (["--stages", "9"], "--stages: stage 9 does not exist"),
-        (["--set", "model"], "--set model: write GROUP.KEY=VALUE"),
+        (["--warmup", "2", "--steps", "200"], "must fit in it"),
     ],
 )
 def test_bad_flags_are_refused_before_any_work(flags, message, tmp_path):
@@ -235,6 +147,14 @@ def test_bad_flags_are_refused_before_any_work(flags, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         bench.main(["perf/bench_train_step.py", "--device", "cpu", "--tiny", *flags, "--out", str(out)])
     assert not out.exists()
+
+
+def test_the_bench_composes_the_training_config_with_its_preset_first():
+    args = bench.parse_args(["--device", "cpu", "--tiny", "seed=3"])
+    assert args.overrides == [f"experiment={bench.TINY_EXPERIMENT}", "seed=3"]
+    assert bench.parse_args(["--device", "cpu", "experiment=default"]).overrides == ["experiment=default"]
+    cfg = bench.compose(args.overrides, "cpu", "/tmp/runs")
+    assert (cfg.seed, cfg.device, cfg.progress_bar, cfg.model.num_layers) == (3, "cpu", False, 8)
 
 
 def test_parse_refuses_too_few_timed_steps(capsys):

@@ -1,8 +1,9 @@
 """One compiled training step of the track1 model trains (GPU), and perf/bench_train_step.py runs end to end.
 
-The GPU test builds the step as the training loop does (configs/model/track1.yaml,
-configs/optim/anvil_adam.yaml, stage 0's shape from configs/schedule/track1.yaml: 16384 tokens), compiled with
-torch.compile. The CPU test runs the benchmark's own command at tiny size and checks that its JSON is what
+The GPU test builds the step from its parts (configs/model/track1.yaml, configs/optim/anvil_adam.yaml, stage
+0's windows and MTP weights from configs/schedule/track1.yaml, 16384 tokens), compiled with torch.compile; the
+trainer's own compiled steps are tested in tests/test_gpu_trainer.py.
+The CPU test runs the benchmark's own command at tiny size and checks that its JSON is what
 perf/results.py renders.
 """
 
@@ -13,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from tests.perf_scripts import load_perf_script
 from track_1_short import schedule
@@ -23,21 +25,32 @@ def load_bench():
     return load_perf_script("bench_train_step")
 
 
+def load_structured(dataclass_type, path):
+    node = OmegaConf.load(path)
+    node.pop("defaults", None)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(dataclass_type), node))
+
+
 @pytest.mark.gpu
 def test_one_compiled_track1_step_is_finite_moves_every_trained_parameter_and_lowers_the_loss():
     from track_1_short.data import GPT2_BOS_ID
     from track_1_short.model.gpt import GPT, ModelConfig
     from track_1_short.optim.anvil import AnvilAndAdam, OptimConfig
 
-    bench = load_bench()
     configs = REPO_ROOT / "configs"
-    model_cfg = bench.load_structured(ModelConfig, configs / "model" / "track1.yaml")
-    optim_cfg = bench.load_structured(OptimConfig, configs / "optim" / "anvil_adam.yaml")
-    sched = bench.load_structured(schedule.ScheduleConfig, configs / "schedule" / "track1.yaml")
-    (shape,) = bench.stage_shapes(sched, [0], tiny=False)
-    # Tokens from 64 ids only: one step can then lower the loss on its own batch by a wide margin (the unigram
+    model_cfg = load_structured(ModelConfig, configs / "model" / "track1.yaml")
+    optim_cfg = load_structured(OptimConfig, configs / "optim" / "anvil_adam.yaml")
+    sched = load_structured(schedule.ScheduleConfig, configs / "schedule" / "track1.yaml")
+    # Stage 0's per-rank microbatch of the record (131,072 tokens / 8 ranks) in whole documents of 512 tokens,
+    # tokens from 64 ids only: one step can then lower the loss on its own batch by a wide margin (the unigram
     # alone is worth ln(50257 / 64) = 6.7 nats), so "lower" cannot pass or fail by noise.
-    batch = bench.synthetic_batches(shape, vocab_size=64, bos_id=GPT2_BOS_ID, device="cuda", seed=0)[0]
+    tokens = 16384
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randint(0, 64, (tokens + 1,), generator=g)
+    cu = torch.arange(0, tokens + 1, 512, dtype=torch.int32)
+    buf[cu[:-1].long()] = GPT2_BOS_ID
+    inputs, targets = buf[:-1].int().cuda(), buf[1:].cuda()
+    plan0 = schedule.plan(sched, 0, optim_cfg.adam_every)
     step = 2 * optim_cfg.adam_every - 1  # an Adam step, so every optimiser path runs
     plan = schedule.plan(sched, step, optim_cfg.adam_every)
     assert plan.do_adam
@@ -49,12 +62,13 @@ def test_one_compiled_track1_step_is_finite_moves_every_trained_parameter_and_lo
         list(model.named_parameters()), table, model.scatter_order(), model.work_order(), optim_cfg
     )
     forward = torch.compile(model, dynamic=False)
-    args = (batch.inputs, batch.targets, batch.cu_seqlens, shape.windows, shape.mtp_weights)
+    mtp = torch.tensor(plan0.mtp_weights, device="cuda")
+    args = (inputs, targets, cu.cuda(), plan0.windows, mtp)
     before = {p.label: p.detach().clone() for p in model.parameters()}
 
     opt.set_schedule(plan.lr_multiplier, plan.rail_beta, step)
     loss = forward(*args)
-    (loss / shape.tokens).backward()
+    (loss / tokens).backward()
     had_grad = {p.label for p in model.parameters() if p.grad is not None and bool(p.grad.ne(0).any())}
     opt.step(plan.do_adam)
     loss_after = forward(*args)  # the same compiled graph (grad mode unchanged), no recompile
@@ -81,7 +95,8 @@ def test_one_compiled_track1_step_is_finite_moves_every_trained_parameter_and_lo
 @pytest.mark.slow
 def test_bench_runs_tiny_on_cpu_and_writes_what_results_renders(tmp_path):
     out = tmp_path / "train_step.json"
-    # One stage, one step of each kind after the warm-up: the smallest run that fills every field.
+    # One stage, one step of each kind after the warm-up: the smallest run that fills every field. The
+    # smoke preset's stage 0 runs 1,024 tokens a step.
     flags = ["--device", "cpu", "--tiny", "--stages", "0", "--warmup", "2", "--steps", "2", "--out", str(out)]
     command = [sys.executable, "perf/bench_train_step.py", *flags]
     proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
@@ -91,7 +106,7 @@ def test_bench_runs_tiny_on_cpu_and_writes_what_results_renders(tmp_path):
     assert payload["command"].endswith("perf/bench_train_step.py " + " ".join(flags))
     assert [row["stage"] for row in payload["rows"]] == [0]
     for row in payload["rows"]:
-        assert row["tokens"] == load_bench().TINY_TOKENS
+        assert row["tokens"] == 1024  # the smoke preset's stage 0 batch, at world size 1
         assert row["compiled"] is False
         for key in (
             "ms_per_step",

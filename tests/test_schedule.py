@@ -175,8 +175,9 @@ def test_stage_boundaries_and_the_mtp_taper_are_exact():
     assert (last0.stage, last0.windows, last0.batch_tokens) == (0, (1, 2), 8192)
     assert (first1.stage, first1.windows, first1.batch_tokens) == (1, (2, 4), 4096)
     assert schedule.plan(HAND, 20, 2).stage == 2 and schedule.plan(HAND, 19, 2).stage == 1
-    # The taper runs from the stage's first step (mtp_weights) to its last (mtp_weights_end), linearly.
+    # The taper runs linearly from the stage's first step (mtp_weights) toward mtp_weights_end with upstream's
+    # fraction (step - start) / steps: over 10 steps the last one reaches 9/10 of the way, not the end.
     assert schedule.mtp_weights(HAND, 0) == [1.0, 0.5, 0.25]
-    assert schedule.mtp_weights(HAND, 9) == [1.0, 0.0, 0.75]
-    assert schedule.mtp_weights(HAND, 3) == pytest.approx([1.0, 0.5 - 0.5 / 3, 0.25 + 0.5 / 3], rel=1e-15)
+    assert schedule.mtp_weights(HAND, 9) == pytest.approx([1.0, 0.5 - 0.45, 0.25 + 0.45], rel=1e-15)
+    assert schedule.mtp_weights(HAND, 3) == pytest.approx([1.0, 0.5 - 0.15, 0.25 + 0.15], rel=1e-15)
     assert first1.mtp_weights == (1.0,)

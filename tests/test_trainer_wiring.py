@@ -10,6 +10,7 @@ split) and every call is checked against the schedule's own answer.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.faults_runs import build, short_cfg
 from track_1_short import schedule
@@ -67,13 +68,15 @@ def recorded(tmp_path_factory):
     wrap(t.opt, "step", lambda do_adam: calls["step"].append((current["step"], do_adam)))
     wrap(t.opt, "split_embed", lambda: calls["split_opt"].append(current["step"]))
     wrap(t.model, "split_embed", lambda: calls["split_model"].append(current["step"]))
-    real_forward = t.forward
 
-    def forward(inputs, targets, cu_seqlens, windows, mtp_weights=None):
-        calls["forward"].append((current["step"], tuple(windows), mtp_weights, inputs.numel()))
-        return real_forward(inputs, targets, cu_seqlens, windows, mtp_weights)
+    def recording(real_forward):
+        def forward(inputs, targets, cu_seqlens, windows, mtp_weights=None):
+            calls["forward"].append((current["step"], tuple(windows), mtp_weights, inputs.numel()))
+            return real_forward(inputs, targets, cu_seqlens, windows, mtp_weights)
 
-    t.forward = forward
+        return forward
+
+    t.forward, t.val_forward = recording(t.forward), recording(t.val_forward)  # training, validation
     t.train()
     return t, calls
 
@@ -113,16 +116,22 @@ def test_model_receives_the_planned_windows_and_mtp_weights_on_every_microbatch(
         assert sum(tokens for *_, tokens in micro) == plan.batch_tokens  # one rank: the global batch
         for windows, mtp, _ in micro:
             assert windows == plan.windows, plan.step
-            assert isinstance(mtp, list) and mtp == list(plan.mtp_weights), plan.step
+            # A tensor (a compiled model takes a new ramp value without a new graph), in fp32.
+            expected = torch.tensor(plan.mtp_weights, dtype=torch.float32)
+            assert isinstance(mtp, torch.Tensor) and torch.equal(mtp.cpu(), expected), plan.step
     assert len({w for _, w, _, _ in train}) == 2 and len({tuple(m) for _, _, m, _ in train}) >= 3
     val = [c for c in calls["forward"] if c[0] is None]
     assert val and all(w == schedule.val_windows(t.cfg.schedule) and m is None for _, w, m, _ in val)
 
 
 def test_embedding_splits_in_model_and_optimizer_at_the_planned_step_only(recorded):
+    # split_embed_step is the last step whose update is tied (upstream): the split comes at the next one.
     t, calls = recorded
     assert (
-        calls["split_model"] == calls["split_opt"] == [p.step for p in plans(t) if p.split_embed] == [SPLIT]
+        calls["split_model"]
+        == calls["split_opt"]
+        == [p.step for p in plans(t) if p.split_embed]
+        == [SPLIT + 1]
     )
     assert "tied_to" not in t.model.param_table()["embed"] and not t.opt.tied
     assert bool(t.model.embed_is_split)

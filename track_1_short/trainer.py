@@ -168,10 +168,10 @@ class Trainer:
         self.compiled = device.type == "cuda" and cfg.compile
         if self.compiled:
             self.forward = torch.compile(self.model, dynamic=False)
-        # Validation runs the model uncompiled (FlexAttention still compiled on its own): Inductor (torch 2.11)
-        # fails to lower FlexAttention in a no-grad graph whose mask reads document ids computed in that graph
-        # ("convert FlexibleLayout to FixedLayout first", seen on an H200 for the paired layers), and a few
-        # validation forwards a run do not pay for a compile anyway.
+        # Validation runs the model uncompiled (FlexAttention still compiled on its own): Inductor (torch
+        # 2.11) fails to lower FlexAttention in a no-grad graph whose mask reads document ids computed in that
+        # graph ("convert FlexibleLayout to FixedLayout first", seen on an H200 for the paired layers), and a
+        # few validation forwards a run do not pay for a compile anyway.
         self.val_forward = self.model
         model_s = time.perf_counter() - t
         self.loader = data.TrainLoader(
@@ -342,8 +342,8 @@ class Trainer:
             self.train_step(s)
             _sync(self.device)
             self.phases.say(
-                f"  warmup step {k + 1}/{len(steps)} (schedule step {s}): {time.perf_counter() - t_step:.1f} s, "
-                f"graphs so far {compile_watch.graphs_made()}"
+                f"  warmup step {k + 1}/{len(steps)} (schedule step {s}): "
+                f"{time.perf_counter() - t_step:.1f} s, graphs so far {compile_watch.graphs_made()}"
             )
         # One validation forward, so that its graph (no grad, validation windows) is made here too.
         t_val = time.perf_counter()

@@ -1,0 +1,133 @@
+"""A training run's figures as a bench JSON for perf/RESULTS.md: per-stage throughput, MFU, compile, losses.
+
+    python perf/run_summary.py RUN_DIR --out perf/results/record_1gpu.json --command "python -m ..."
+
+Reads the run directory the trainer wrote (events.jsonl, config.yaml, env.json). Per stage of the schedule:
+the timed loop's tokens/s and ms per step, from the progress events whose steps lie inside the stage (the
+first logged interval that crosses a stage boundary is left out: it mixes two geometries), and MFU =
+FLOPs per token x tokens/s / the bf16 matmul rate given by --matmul-tflops (the run does not measure it).
+FLOPs per token come from the model's ``flops_per_token`` at the stage's document cap and windows: an upper
+bound, since shorter documents have less attention to do (attention is 1-3% of the FLOPs at these windows).
+The run's phases (data, build, warmup), graph counts, peak memory, the loss curve and the final val loss
+against the corpus floor go into the header and notes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from track_1_short import schedule
+from track_1_short.model.gpt import ModelConfig, flops_per_token
+from track_1_short.perf.bench_meta import write_bench_json
+from track_1_short.run_log import read_events
+
+
+def stage_rows(events: list[dict], sched, model_cfg, matmul_tflops: float) -> list[dict]:
+    starts = schedule.stage_starts(sched) + [schedule.total_steps(sched)]
+    train = [e for e in events if e["event"] == "train"]
+    rows = []
+    for i, stage in enumerate(sched.stages):
+        lo, hi = starts[i], starts[i + 1]
+        prev = None
+        tokens = ms = 0.0
+        for e in train:
+            if prev is not None and lo <= prev["step"] and e["step"] <= hi:
+                tokens += e["tokens_seen"] - prev["tokens_seen"]
+                ms += e["train_time_ms"] - prev["train_time_ms"]
+            prev = e
+        if ms <= 0:
+            continue
+        steps = tokens / stage.batch_tokens
+        windows = [stage.window_short, stage.window_long]
+        fpt = float(flops_per_token(model_cfg, stage.max_doc_len, windows))
+        tokens_per_s = tokens / (ms * 1e-3)
+        rows.append(
+            {
+                "stage": i,
+                "steps": f"{lo}-{hi - 1}",
+                "batch_tokens": stage.batch_tokens,
+                "windows": windows,
+                "timed_steps": round(steps),
+                "ms_per_step": ms / steps,
+                "tokens_per_s": tokens_per_s,
+                "mfu_pct": 100 * fpt * tokens_per_s / (matmul_tflops * 1e12),
+                "flops_per_token": fpt,
+            }
+        )
+    return rows
+
+
+def summarize(run_dir: Path, command: str, date: str, matmul_tflops: float, corpus: dict | None) -> dict:
+    events = read_events(run_dir)
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    env = json.loads((run_dir / "env.json").read_text())
+    sched = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schedule.ScheduleConfig), cfg.schedule))
+    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg.model))
+    end = next(e for e in reversed(events) if e["event"] == "end")
+    phases = {e["name"]: e for e in events if e["event"] == "phase"}
+    train = [e for e in events if e["event"] == "train"]
+    devices = env.get("devices") or [{"name": "cpu"}]
+    payload = {
+        "command": command,
+        "date": date,
+        "device": devices[0]["name"],
+        "torch": env.get("torch"),
+        "triton": env.get("triton"),
+        "cuda": env.get("cuda"),
+        "title": f"Training run {run_dir.name}: {schedule.total_steps(sched)} steps, world size "
+        f"{env.get('world_size', 1)}",
+        "status": end["status"],
+        "val_loss": end.get("val_loss"),
+        "train_time_s": end["train_time_ms"] / 1e3,
+        "data_s": phases.get("data", {}).get("seconds"),
+        "build_s": phases.get("build", {}).get("seconds"),
+        "warmup_and_compile_s": phases.get("warmup", {}).get("seconds"),
+        "graphs": end.get("graphs"),
+        "timed_loop_graphs": end.get("timed_loop_graphs"),
+        "peak_memory_mib": end.get("peak_memory_mib"),
+        "matmul_tflops_assumed": matmul_tflops,
+        "rows": stage_rows(events, sched, model_cfg, matmul_tflops),
+        "notes": [
+            "train loss (per token, MTP-weighted) at logged steps: "
+            + ", ".join(f"{e['step']}: {e['loss']:.3f}" for e in train),
+        ],
+    }
+    if corpus:
+        facts = corpus
+        payload["notes"].append(
+            f"final val loss {end.get('val_loss'):.4f} against the corpus's entropy floor "
+            f"{facts['entropy_floor']:.4f} and unigram entropy {facts['unigram_entropy']:.4f} (nats)"
+        )
+    return payload
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--command", required=True, help="the exact command that made the run")
+    p.add_argument("--matmul-tflops", type=float, default=790.0, help="bf16 matmul rate for MFU (H200: 790)")
+    p.add_argument("--date", required=True, help="when the run was made (ISO 8601)")
+    p.add_argument("--commit", default=None, help="the commit the run was made at")
+    p.add_argument("--entropy-floor", type=float, default=None, help="the synthetic corpus's floor (nats)")
+    p.add_argument("--unigram-entropy", type=float, default=None, help="its unigram entropy (nats)")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if not (args.run_dir / "events.jsonl").is_file():
+        p.error(f"{args.run_dir} holds no events.jsonl: pass a run directory the trainer wrote.")
+    corpus = None
+    if args.entropy_floor is not None and args.unigram_entropy is not None:
+        corpus = {"entropy_floor": args.entropy_floor, "unigram_entropy": args.unigram_entropy}
+    payload = summarize(args.run_dir, args.command, args.date, args.matmul_tflops, corpus)
+    if args.commit:
+        payload["git_commit"] = args.commit
+    write_bench_json(args.out, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

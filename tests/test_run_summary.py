@@ -1,0 +1,57 @@
+"""perf/run_summary.py: a run directory's per-stage figures, from events written by hand."""
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.perf_scripts import load_perf_script
+from track_1_short.schedule import ScheduleConfig, StageConfig
+
+summary = load_perf_script("run_summary")
+
+
+def write_run(tmp_path, train_events):
+    sched = ScheduleConfig(
+        stages=[StageConfig(steps=4, batch_tokens=100), StageConfig(steps=4, batch_tokens=300)],
+        rail_warmup_steps=1,
+        rail_cooldown_steps=1,
+    )
+    (tmp_path / "config.yaml").write_text(
+        OmegaConf.to_yaml({"schedule": OmegaConf.structured(sched), "model": {}})
+    )
+    (tmp_path / "env.json").write_text(
+        json.dumps({"torch": "t", "triton": "r", "devices": [{"name": "gpu"}]})
+    )
+    events = [{"event": "start", "total_steps": 8}]
+    events += [{"event": "train", **e} for e in train_events]
+    events += [{"event": "end", "status": "finished", "val_loss": 1.5, "train_time_ms": 999.0, "graphs": 3}]
+    (tmp_path / "events.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
+
+
+def test_stage_throughput_uses_only_intervals_inside_the_stage(tmp_path):
+    # Logged every 2 steps: 0-2 and 2-4 lie in stage 0 (100 tokens a step), 4-6 and 6-8 in stage 1 (300).
+    # Stage 0 steps take 10 ms, stage 1 steps 20 ms, except the 2-4 interval, which is slowed to 40 ms.
+    steps = [(2, 200, 20.0), (4, 400, 60.0), (6, 1000, 100.0), (8, 1600, 140.0)]
+    write_run(
+        tmp_path, [{"step": s, "tokens_seen": t, "train_time_ms": ms, "loss": 1.0} for s, t, ms in steps]
+    )
+    out = summary.summarize(tmp_path, "cmd", "2026-01-01", 100.0, None)
+    rows = {r["stage"]: r for r in out["rows"]}
+    # Only intervals between two logged steps count (0-2 has no earlier event): 2-4 for stage 0.
+    assert rows[0]["tokens_per_s"] == pytest.approx(200 / 0.040)
+    assert rows[0]["ms_per_step"] == pytest.approx(20.0)
+    # Stage 1: 4-6 and 6-8, 1200 tokens in 80 ms; the interval 2-4 -> 4 ends at the boundary, not past it.
+    assert rows[1]["tokens_per_s"] == pytest.approx(1200 / 0.080)
+    assert rows[1]["ms_per_step"] == pytest.approx(20.0)
+    assert out["graphs"] == 3 and out["status"] == "finished" and out["device"] == "gpu"
+
+
+def test_an_interval_crossing_a_stage_boundary_is_left_out(tmp_path):
+    steps = [(1, 100, 10.0), (3, 300, 30.0), (5, 900, 1000.0), (7, 1500, 1040.0)]  # 3-5 crosses step 4
+    write_run(
+        tmp_path, [{"step": s, "tokens_seen": t, "train_time_ms": ms, "loss": 1.0} for s, t, ms in steps]
+    )
+    rows = {r["stage"]: r for r in summary.summarize(tmp_path, "cmd", "d", 100.0, None)["rows"]}
+    assert rows[0]["tokens_per_s"] == pytest.approx(200 / 0.020)
+    assert rows[1]["tokens_per_s"] == pytest.approx(600 / 0.040)  # not slowed by the crossing interval
