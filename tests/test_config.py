@@ -165,6 +165,16 @@ README_COMMANDS = {
     "checkpoint.every=50": {**COMPACT, "checkpoint.every": 50},
     "resume=runs/<run>/checkpoints": {**COMPACT, "resume": "runs/RUN/checkpoints"},  # <run>: a placeholder
     "experiment=smoke_record": {**COMPACT, "steps": 16, "smoke_target": 6.55},
+    # The one-GPU record preset: the record's model and stage geometries, 134 steps, the synthetic corpus with
+    # GPT-2's vocabulary, micro batches of at most the record's per-rank 49,152 tokens.
+    "experiment=record_1gpu": {
+        **GPT2,
+        "steps": 134,
+        "model.num_layers": 11,
+        "data.kind": "synthetic",
+        "micro_batch_tokens": 49152,
+        "model.check_inputs": False,
+    },
 }
 
 

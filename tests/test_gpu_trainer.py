@@ -41,9 +41,10 @@ def test_compiled_steps_lower_the_loss_from_the_first_step_and_match_eager(tmp_p
 
 def test_the_timed_loop_makes_no_graph_over_the_record_schedules_shapes(tmp_path):
     # The one-GPU record schedule's five geometries (micro batches of 32,768 / 49,152 / 40,960 tokens,
-    # windows, MTP counts and the ramp, the embed split) with 4 steps a stage, on the tiny model.
+    # windows, MTP counts and the ramp, the embed split) with 8 steps a stage, on the tiny model. The warmup
+    # runs 22 of the 40 steps; the timed loop meets MTP ramp values and loader batches the warmup never saw.
     stages = ",".join(
-        f"{{steps:4,batch_tokens:{b},max_doc_len:{d},window_short:{ws},window_long:{wl},mtp_weights:{m}"
+        f"{{steps:8,batch_tokens:{b},max_doc_len:{d},window_short:{ws},window_long:{wl},mtp_weights:{m}"
         + (f",mtp_weights_end:{e}" if e else "")
         + (",extension:true" if x else "")
         + "}"
@@ -64,13 +65,13 @@ def test_the_timed_loop_makes_no_graph_over_the_record_schedules_shapes(tmp_path
         "device=cuda",
         "progress_bar=false",
         f"schedule.stages=[{stages}]",
-        "schedule.split_embed_step=17",
+        "schedule.split_embed_step=33",
         "schedule.rail_warmup_steps=4",
         "schedule.rail_cooldown_steps=2",
         "micro_batch_tokens=49152",
         "data.val_tokens=262144",
         "data.val_batch_tokens=262144",
-        "data.synthetic.train_tokens=8388608",
+        "data.synthetic.train_tokens=12582912",
         "data.synthetic.val_tokens=262144",
         "data.synthetic.shard_tokens=4194304",
         "model.max_seq_len=262144",
@@ -83,7 +84,7 @@ def test_the_timed_loop_makes_no_graph_over_the_record_schedules_shapes(tmp_path
     assert end["status"] == "finished"
     assert end["timed_loop_graphs"] == 0, end
     # Each geometry compiles its forward once (training), plus validation; Dynamo may split a graph, so a
-    # few per geometry, not one per step (20 steps).
+    # few per geometry, not one per step (40 steps).
     assert 6 <= end["graphs"] <= 3 * 6, end
     warm = [e for e in events(result.run_dir) if e["event"] == "phase" and e["name"] == "warmup"]
     assert warm and warm[0]["graphs"] == end["graphs"]
