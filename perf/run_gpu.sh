@@ -2,7 +2,8 @@
 # Every GPU claim of the project in one command, on a fresh GPU machine with no network. Run from anywhere:
 #   bash perf/run_gpu.sh                              # all stages, in this order:
 #   bash perf/run_gpu.sh tests train_step results     # or only the named ones (to fit a time limit)
-# Stages: tests           python3 -m pytest -m gpu -q                      (log: pytest_gpu.log)
+# Stages: preset          python -m track_1_short.train experiment=record_1gpu -> perf/results/record_1gpu.json
+#         tests           python3 -m pytest -m gpu -q                      (log: pytest_gpu.log)
 #         replicated_adam perf/bench_replicated_adam.py -> perf/results/replicated_adam.json
 #         optimizer       perf/bench_optimizer.py       -> perf/results/optimizer.json
 #         train_step      perf/bench_train_step.py      -> perf/results/train_step.json
@@ -12,11 +13,12 @@
 # A failing stage is reported loudly and the later stages still run (GPU time is scarce); the script then
 # exits 1 naming the failed stages. With $OUT set, the logs grow there and each stage's JSON (and RESULTS.md)
 # is copied there when the stage ends, so a run cut short still hands back what it did. Flat names, at most
-# 6 files: pytest_gpu.log, bench.log, replicated_adam.json, optimizer.json, train_step.json, RESULTS.md.
+# 8 files: pytest_gpu.log, bench.log, record_1gpu_log.txt, record_1gpu.json, replicated_adam.json, optimizer.json,
+# train_step.json, RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-all_stages=(tests replicated_adam optimizer train_step results)
+all_stages=(preset tests replicated_adam optimizer train_step results)
 stages=("$@")
 [[ ${#stages[@]} -gt 0 ]] || stages=("${all_stages[@]}")
 for s in "${stages[@]}"; do
@@ -104,6 +106,18 @@ bench() {  # name: perf/bench_<name>.py --out perf/results/<name>.json
   hand_back "$json"
 }
 
+preset() {  # the one-GPU record preset through the trainer, then its figures (perf/run_summary.py)
+  local runs=$logs/runs cmd=(python3 -m track_1_short.train experiment=record_1gpu)
+  local date
+  date=$(date -u +%FT%T+00:00)
+  "${cmd[@]}" runs_root="$runs" run_name=record_1gpu 2>&1 | tee -a "$log" || return
+  [[ -n ${OUT:-} ]] && cp "$runs/record_1gpu/log.txt" "$OUT/record_1gpu_log.txt"
+  python3 perf/run_summary.py "$runs/record_1gpu" --out perf/results/record_1gpu.json --date "$date" \
+    --command "${cmd[*]}" --commit "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" 2>&1 | tee -a "$log" \
+    || return
+  hand_back perf/results/record_1gpu.json
+}
+
 results_md() {
   python3 perf/results.py 2>&1 | tee -a "$log" || return
   hand_back perf/RESULTS.md
@@ -111,6 +125,7 @@ results_md() {
 
 for s in "${stages[@]}"; do
   case $s in
+    preset) run_stage preset preset ;;
     tests) run_stage tests gpu_tests ;;
     results) run_stage results results_md ;;
     *) run_stage "$s" bench "$s" ;;

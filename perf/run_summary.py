@@ -97,7 +97,15 @@ def summarize(run_dir: Path, command: str, date: str, matmul_tflops: float, corp
             + ", ".join(f"{e['step']}: {e['loss']:.3f}" for e in train),
         ],
     }
-    if corpus:
+    summary = next((e for e in reversed(events) if e["event"] == "summary"), None)
+    if summary is not None:  # the run's own summary: its reference lines (corpus floor, targets)
+        refs = summary.get("references") or {}
+        payload["tokens_per_s_overall"] = summary.get("tokens_per_s")
+        payload["notes"].append(
+            f"final val loss {end.get('val_loss'):.4f} against "
+            + ", ".join(f"{label} {value:.4f}" for label, value in refs.items())
+        )
+    elif corpus:
         facts = corpus
         payload["notes"].append(
             f"final val loss {end.get('val_loss'):.4f} against the corpus's entropy floor "

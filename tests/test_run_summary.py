@@ -55,3 +55,16 @@ def test_an_interval_crossing_a_stage_boundary_is_left_out(tmp_path):
     rows = {r["stage"]: r for r in summary.summarize(tmp_path, "cmd", "d", 100.0, None)["rows"]}
     assert rows[0]["tokens_per_s"] == pytest.approx(200 / 0.020)
     assert rows[1]["tokens_per_s"] == pytest.approx(600 / 0.040)  # not slowed by the crossing interval
+
+
+def test_the_runs_own_summary_supplies_the_reference_lines(tmp_path):
+    steps = [(2, 200, 20.0), (4, 400, 40.0)]
+    write_run(
+        tmp_path, [{"step": s, "tokens_seen": t, "train_time_ms": ms, "loss": 1.0} for s, t, ms in steps]
+    )
+    refs = {"corpus entropy floor (perfect model)": 0.9154}
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write(json.dumps({"event": "summary", "tokens_per_s": 1e4, "references": refs}) + "\n")
+    out = summary.summarize(tmp_path, "cmd", "d", 100.0, None)
+    assert out["notes"][-1] == "final val loss 1.5000 against corpus entropy floor (perfect model) 0.9154"
+    assert out["tokens_per_s_overall"] == 1e4
