@@ -185,3 +185,23 @@ def test_on_cuda_rows_are_pinned_and_queued_uploads_read_their_own_steps_values(
 def test_on_cuda_batched_and_per_bank_uploads_train_bitwise_the_same():
     staged, final = run_both(STEPS, device="cuda")
     assert_modes_agree(staged, final, "cuda")
+
+
+@pytest.mark.gpu
+def test_on_cuda_set_schedule_never_waits_for_the_gpu_and_the_per_bank_reference_does():
+    # torch's sync debug mode raises on every host wait it knows of (stream syncs, pageable copies); an event
+    # wait is not one, and the ring's never blocks here anyway. This is the whole lever: the reference waits.
+    cuda = torch.device("cuda")
+    for mode, syncs in (("batched", False), ("per_bank", True)):
+        _, opt = build(mode, device=cuda)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            if syncs:
+                with pytest.raises(RuntimeError, match="synchroniz"):
+                    opt.set_schedule(0.5, 0.9, 1)
+            else:
+                for s in range(2 * BANK_SCALAR_SLOTS):
+                    opt.set_schedule(0.5, 0.9, s)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
