@@ -41,6 +41,7 @@ import torch
 
 from track_1_short import schedule
 from track_1_short.perf.bench_meta import REPO_ROOT, bench_metadata, write_bench_json
+from track_1_short.perf.frozen_gc import freeze_gc, restore_gc
 
 DEFAULT_EXPERIMENT = "record_1gpu"  # the one-GPU record preset (CUDA)
 TINY_EXPERIMENT = "smoke_record"  # --tiny: the CPU smoke preset (tiny model, compact vocabulary)
@@ -265,6 +266,7 @@ def measure_stage(trainer, stage: int, warmup: int, steps: int, matmul_rate: flo
         torch.cuda.reset_peak_memory_stats()
     resident = torch.cuda.memory_allocated() if cuda else None
     trainer.loader.next_batch = recording_next_batch
+    gc_state = freeze_gc() if cfg.gc_freeze else None  # as the trainer's timed loop runs (gc_freeze)
     wall0 = time.perf_counter()
     try:
         with Timer(device) as timer:
@@ -272,6 +274,7 @@ def measure_stage(trainer, stage: int, warmup: int, steps: int, matmul_rate: flo
                 loss = run_step(step, timer)
             timer.mark("start")
     finally:
+        restore_gc(gc_state)
         trainer.loader.next_batch = next_batch
     wall_ms = (time.perf_counter() - wall0) * 1e3  # the Timer synchronised on exit
     peak = torch.cuda.max_memory_allocated() if cuda else None

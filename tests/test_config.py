@@ -59,6 +59,13 @@ def test_record_preset_selects_the_full_model_data_and_schedule():
     check_run(cfg, world_size=1)  # gradient accumulation keeps the global batch on one GPU
 
 
+@pytest.mark.parametrize("experiment", ["record", "record_1gpu"])
+def test_record_presets_run_the_host_side_fast_paths(experiment):
+    cfg = to_object(compose_train(f"experiment={experiment}"))
+    assert cfg.gc_freeze  # the collector frozen in the timed loop (perf/frozen_gc.py)
+    assert cfg.optim.scalar_upload == "batched"  # one bank-scalar upload a step (perf/bank_scalars.py)
+
+
 def test_smoke_record_preset_names_a_target():
     cfg = to_object(compose_train("experiment=smoke_record"))
     assert cfg.smoke_target is not None and cfg.smoke_target > 0

@@ -6,6 +6,7 @@ path) cut to a few dozen steps over two stages, so a stage transition and both A
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import subprocess
@@ -279,3 +280,38 @@ def test_ctrl_c_exits_130_with_one_paragraph_naming_the_checkpoint_and_the_resum
     assert "Traceback" not in err and lines[-1].startswith("interrupted at step"), err
     assert sum("interrupted" in line for line in lines) == 1, err
     assert "step_0000" in lines[-1] and f"resume={tmp_path / 'c'}" in lines[-1]
+
+
+def _recording_gc(monkeypatch, fail_at: int | None = None) -> list[tuple[bool, int]]:
+    """Patch the trainer's step to record (collector enabled, objects frozen) as it starts; raise at
+    ``fail_at``."""
+    real, seen = trainer.Trainer.train_step, []
+
+    def recorded(self, step, marks=None):
+        seen.append((gc.isenabled(), gc.get_freeze_count()))
+        if step == fail_at:
+            raise RuntimeError(f"planted failure at step {step}")
+        return real(self, step, marks)
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", recorded)
+    return seen
+
+
+def test_gc_freeze_off_trains_bitwise_like_the_frozen_default(one_process, tmp_path, monkeypatch):
+    # one_process ran with the default gc_freeze=true and left the collector as it found it.
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    seen = _recording_gc(monkeypatch)
+    plain = trainer.run(short_cfg(str(tmp_path), MICRO, "checkpoint.every=2", "gc_freeze=false"))
+    assert seen == [(True, 0)] * sum(STEPS)  # the reference: the collector as Python runs it
+    assert plain.train_losses == one_process.train_losses
+    assert plain.val_loss == one_process.val_loss
+    assert_bitwise_equal(params_of(plain), params_of(one_process))
+
+
+def test_timed_loop_runs_with_gc_frozen_and_an_error_restores_it(tmp_path, monkeypatch):
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    seen = _recording_gc(monkeypatch, fail_at=2)
+    with pytest.raises(RuntimeError, match="planted failure at step 2"):
+        trainer.run(short_cfg(str(tmp_path), "run_name=fails"))
+    assert len(seen) == 3 and all(not enabled and frozen > 0 for enabled, frozen in seen)
+    assert gc.isenabled() and gc.get_freeze_count() == 0

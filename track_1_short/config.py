@@ -89,6 +89,11 @@ class TrainConfig:
     """torch.compile the model on CUDA (ignored on the CPU)."""
     warmup: bool | None = None
     """Run the representative steps untimed, then restore the initial state in place; null = on CUDA only."""
+    gc_freeze: bool = True
+    """Python's cyclic garbage collector out of the timed loop (track_1_short/perf/frozen_gc.py): one
+    collection and gc.freeze() before the clock starts, gc.disable() until the loop ends (restored then, also
+    on an error); false = the collector runs as Python schedules it. Results do not change; upstream's record
+    freezes it the same way."""
     progress_bar: bool = True
     """tqdm bar on rank 0 (loss, tokens/s, ETA)."""
     smoke_target: float | None = None

@@ -35,6 +35,7 @@ from track_1_short import checkpoint, compile_watch, distributed, preflight, run
 from track_1_short.checkpoint import CheckpointError, NonFiniteError
 from track_1_short.config import ConfigError, TrainConfig, accumulation_steps, check_run, to_object
 from track_1_short.guards import Guards
+from track_1_short.perf.frozen_gc import freeze_gc, restore_gc
 from track_1_short.run_log import RunLog, environment
 
 
@@ -420,7 +421,10 @@ class Trainer:
         pending: list[tuple[int, torch.Tensor]] = []
         t_start = time.perf_counter()
         last_tokens = self.tokens_seen
+        gc_state = None
         try:
+            if cfg.gc_freeze:  # before the clock: the collection is not timed, no collector pause is
+                gc_state = freeze_gc()
             _sync(self.device)
             t0 = time.perf_counter()
             while self.step < n:
@@ -489,6 +493,7 @@ class Trainer:
                     f"compile: {stats['graphs']} graphs, {stats['timed_loop_graphs']} made in the timed loop"
                 )
         finally:
+            restore_gc(gc_state)
             bar.close()
             self.loader.close()
             self.log.close()

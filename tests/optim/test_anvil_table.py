@@ -120,6 +120,7 @@ def test_parameters_need_unique_labels():
     "field, value",
     [
         ("replicated_impl", "triton"),
+        ("scalar_upload", "pinned"),
         ("adam_every", 0),
         ("adam_lr", -1.0),
         ("adam_eps", 0.0),

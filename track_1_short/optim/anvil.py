@@ -50,7 +50,7 @@ import torch
 
 from track_1_short import distributed
 from track_1_short.optim import adam as reference_adam
-from track_1_short.optim.anvil_bank import AnvilBank
+from track_1_short.optim.anvil_bank import AnvilBank, scalar_row, scalars_size
 from track_1_short.optim.param_config import (
     ParamConfig,
     ParamTableError,
@@ -72,6 +72,7 @@ STATE_FORMAT = "anvil_adam/1"
 """Tag of the state_dict layout; load_state_dict refuses any other."""
 
 REPLICATED_IMPLS = ("fused", "device", "reference")
+SCALAR_UPLOADS = ("batched", "per_bank")
 
 
 @dataclass
@@ -106,6 +107,11 @@ class OptimConfig:
     """Replicated Adam: "fused" (flat buffers, one all_reduce and one kernel per dtype), "device" (the same
     with no host work: device scalar table, gradients accumulated in the flat buffer, one launch, CUDA graphs)
     or "reference" (per-parameter all_reduce and Adam step). All three give the same parameters."""
+    scalar_upload: str = "batched"
+    """How set_schedule sends the banks' per-step scalars (rail betas, decay, per-matrix lr) to the device:
+    "batched" (one host row for every bank, one pinned non-blocking copy a step:
+    track_1_short/perf/bank_scalars.py) or "per_bank" (each bank its own pageable copy, which the host waits
+    for). Both give the same parameters."""
     adam_every: int = 2
     """Adam updates on steps with step % adam_every == adam_every - 1 (upstream: odd steps)."""
     value_embed_period4_start: int = 336
@@ -142,6 +148,8 @@ def validate_optim_config(cfg) -> None:
         raise ValueError(
             f"optim.replicated_impl={cfg.replicated_impl!r} must be one of {list(REPLICATED_IMPLS)}."
         )
+    if cfg.scalar_upload not in SCALAR_UPLOADS:
+        raise ValueError(f"optim.scalar_upload={cfg.scalar_upload!r} must be one of {list(SCALAR_UPLOADS)}.")
     if cfg.adam_every < 1:
         raise ValueError(f"optim.adam_every={cfg.adam_every} must be >= 1 (1 = Adam on every step).")
     if cfg.rail_engage_step < 0:
@@ -206,6 +214,7 @@ class AnvilAndAdam:
         self.banks: dict[str, AnvilBank] = {}
         self.states: dict[str, dict] = {}
         self.replicated_labels: list[str] = []
+        bank_shards: dict[str, RowShards] = {}  # banks are built below, once their scalars have a home
         for label, p in self.params.items():
             c = self.param_cfgs[label]
             if c.comms == "replicated":
@@ -218,14 +227,24 @@ class AnvilAndAdam:
             if c.optim == "adam":
                 self.states[label] = self._new_adam_state(shards.shard_shape)
             else:
-                self.banks[label] = AnvilBank(
-                    label,
-                    shards.grad,
-                    shards.shard(full),
-                    beta2=c.beta2,
-                    slow_beta=cfg.slow_rail_beta,
-                    margin=cfg.frobenius_margin,
-                )
+                bank_shards[label] = shards
+        self._bank_staging = None
+        if bank_shards and cfg.scalar_upload == "batched":
+            from track_1_short.perf.bank_scalars import BankScalarStaging
+
+            sizes = {label: scalars_size(shards.chunk) for label, shards in bank_shards.items()}
+            self._bank_staging = BankScalarStaging(sizes, self.device)
+        for label, shards in bank_shards.items():
+            c = self.param_cfgs[label]
+            self.banks[label] = AnvilBank(
+                label,
+                shards.grad,
+                shards.shard(self._sharded_view(label)),
+                beta2=c.beta2,
+                slow_beta=cfg.slow_rail_beta,
+                margin=cfg.frobenius_margin,
+                scalars=None if self._bank_staging is None else self._bank_staging.view(label),
+            )
         self._fused = None
         if self.replicated_labels and cfg.replicated_impl in ("fused", "device"):
             from track_1_short.perf.replicated_adam import ReplicatedAdam
@@ -296,6 +315,7 @@ class AnvilAndAdam:
             c = self.param_cfgs["value_embeds"]
             due, c.adam_betas, c.wd_mul = value_embed_cadence(self.cfg, step, *self._ve_table)
             self._deferred = frozenset() if due else frozenset({"value_embeds"})
+        rows: dict[str, list[float]] = {}
         for label, bank in self.banks.items():
             c, shards = self.param_cfgs[label], self.shards[label]
             mults = c.matrix_lr_mul or (1.0,) * c.reshape[0]
@@ -303,13 +323,19 @@ class AnvilAndAdam:
             owned = [
                 mults[j] if j < shards.rows else 0.0 for j in range(shards.start, shards.start + shards.chunk)
             ]
-            bank.stage(
+            values = dict(
                 momentum=c.momentum,
                 eff_wd=c.lr * c.wd_mul * c.weight_decay,
                 fast_beta=fast_beta,
                 fast_weight=fast_weight,
                 eff_lr=[c.lr * c.lr_mul * m for m in owned],
             )
+            if self._bank_staging is None:
+                bank.stage(**values)
+            else:
+                rows[label] = scalar_row(**values)
+        if self._bank_staging is not None:
+            self._bank_staging.stage(rows)  # one upload for every bank
 
     # -- the step --
     def step(self, do_adam: bool) -> None:

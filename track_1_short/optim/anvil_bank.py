@@ -20,9 +20,11 @@ For this rank's chunk G (bf16 [chunk, rows, cols], the rank-averaged gradient), 
 Pad and frozen matrices (eff_lr_j = 0) never move: both terms of the step carry eff_lr_j. A pad matrix's
 gradient is zero, the cascade maps 0 to 0, so its rails and lane energy stay zero too.
 
-Per-step values live in one small fp32 device buffer per bank (``scalars``) written by ``stage()``, so the
-update reads no Python scalar that changes between steps and its persistent tensors are allocated once (the
-preconditions for capturing it as a CUDA graph, which this project does not do yet).
+Per-step values live in a small fp32 device tensor per bank (``scalars``: its own, written by ``stage()``,
+or a slice of one buffer every bank shares, written by one upload for all of them:
+:mod:`track_1_short.perf.bank_scalars`), so the update reads no Python scalar that changes between steps and
+its persistent tensors are allocated once (the preconditions for capturing it as a CUDA graph, which this
+project does not do yet).
 
 Provenance: upstream record #360 ("ANVIL2"): ``anvil_bank_update``, ``_rail_equalizer`` and
 ``_sign_aligned_decay_update`` in modded-nanogpt's ``track_1_short/optim/anvil.py``.
@@ -38,6 +40,18 @@ EQUALISER_EPS = 1e-10
 """Floor of the lane energy and of the post-equalisation norm: an all-zero (pad) matrix stays 0, not NaN."""
 
 _N_SCALARS = 4  # momentum, eff_wd, fast_beta, fast_weight; then eff_lr per matrix
+
+
+def scalars_size(chunk: int) -> int:
+    """Length of a bank's ``scalars`` for a chunk of ``chunk`` matrices."""
+    return _N_SCALARS + chunk
+
+
+def scalar_row(
+    momentum: float, eff_wd: float, fast_beta: float, fast_weight: float, eff_lr: list[float]
+) -> list[float]:
+    """A bank's per-step values in the order of its ``scalars`` (the one layout both uploads write)."""
+    return [momentum, eff_wd, fast_beta, fast_weight, *eff_lr]
 
 
 def split_master(p32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +122,7 @@ class AnvilBank:
     cols] rows of the bank (a view of the parameter, or of a pad buffer); ``velocity`` fp32 [2, chunk, rows,
     cols]; ``lane_energy`` fp32 [chunk, rows, 1] (rows >= cols) or [chunk, 1, cols]; ``mantissa`` uint16
     [chunk, rows, cols]; ``scalars`` fp32 [4 + chunk]: momentum, eff_wd, fast_beta, fast_weight, eff_lr per
-    matrix.
+    matrix (its own tensor, or the given ``scalars``: a slice of a buffer shared by every bank).
     """
 
     def __init__(
@@ -119,8 +133,18 @@ class AnvilBank:
         beta2: float,
         slow_beta: float,
         margin: float,
+        scalars: torch.Tensor | None = None,
     ):
         chunk, rows, cols = grad.shape
+        size = scalars_size(chunk)
+        if scalars is not None and (
+            scalars.shape != (size,) or scalars.dtype != torch.float32 or scalars.device != grad.device
+        ):
+            raise ValueError(
+                f"AnvilBank {label!r}: scalars is {tuple(scalars.shape)} {scalars.dtype} on {scalars.device};"
+                " "
+                f"a chunk of {chunk} matrices needs ({size},) float32 on {grad.device}."
+            )
         self.label = label
         self.grad, self.weight = grad, weight
         self.beta2, self.slow_beta, self.margin = float(beta2), float(slow_beta), float(margin)
@@ -131,15 +155,18 @@ class AnvilBank:
         lane_shape = (chunk, rows, 1) if self.red_dim == -1 else (chunk, 1, cols)
         self.lane_energy = torch.zeros(lane_shape, dtype=torch.float32, device=dev)
         self.mantissa = torch.zeros((chunk, rows, cols), dtype=torch.uint16, device=dev)
-        self.scalars = torch.zeros(_N_SCALARS + chunk, dtype=torch.float32, device=dev)
+        if scalars is None:
+            scalars = torch.zeros(size, dtype=torch.float32, device=dev)
+        self.scalars = scalars
         self.momentum, self.eff_wd, self.fast_beta, self.fast_weight = self.scalars[:_N_SCALARS].unbind()
         self.eff_lr = self.scalars[_N_SCALARS:].view(chunk, 1, 1)
 
     def stage(
         self, momentum: float, eff_wd: float, fast_beta: float, fast_weight: float, eff_lr: list[float]
     ):
-        """Write this step's values into ``scalars`` (one host-to-device copy)."""
-        host = torch.tensor([momentum, eff_wd, fast_beta, fast_weight, *eff_lr], dtype=torch.float32)
+        """Write this step's values into ``scalars`` (one pageable host-to-device copy that the host waits
+        for: the reference of :class:`track_1_short.perf.bank_scalars.BankScalarStaging`)."""
+        host = torch.tensor(scalar_row(momentum, eff_wd, fast_beta, fast_weight, eff_lr), dtype=torch.float32)
         self.scalars.copy_(host, non_blocking=False)
 
     def update(self) -> None:
