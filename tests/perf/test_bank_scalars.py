@@ -12,6 +12,7 @@ import torch
 from tests.distributed_harness import run_ranks
 from tests.optim import fake_model as fm
 from tests.optim.test_anvil import assert_tree_equal, from_bytes, lr_multiplier, snapshot, to_bytes
+from tests.perf.test_replicated_adam import _FakeEvent  # the ring protocol's CPU stand-in
 from track_1_short.optim.anvil import AnvilAndAdam, OptimConfig
 from track_1_short.optim.anvil_bank import AnvilBank, scalar_row, scalars_size
 from track_1_short.perf.bank_scalars import BANK_SCALAR_SLOTS, BankScalarStaging
@@ -104,19 +105,6 @@ def test_one_stage_writes_bitwise_what_each_banks_own_copy_writes():
         )
         bank.stage(*row[:4], row[4:])
         assert torch.equal(staging.view(label).view(torch.int32), bank.scalars.view(torch.int32)), label
-
-
-class _FakeEvent:
-    """Stands in for torch.cuda.Event on the CPU and logs the ring's protocol."""
-
-    def __init__(self, log, index):
-        self.log, self.index = log, index
-
-    def record(self):
-        self.log.append(("record", self.index))
-
-    def synchronize(self):
-        self.log.append(("wait", self.index))
 
 
 def test_each_stage_is_one_upload_and_leaves_the_previous_steps_row_untouched():
