@@ -35,7 +35,14 @@ def recorded(tmp_path_factory):
     cfg.schedule.split_embed_step = SPLIT
     cfg.schedule.rail_warmup_steps, cfg.schedule.rail_cooldown_steps = 3, 3
     t = build(cfg)
-    calls: dict[str, list] = {"schedule": [], "step": [], "forward": [], "split_model": [], "split_opt": []}
+    calls: dict[str, list] = {
+        "schedule": [],
+        "step": [],
+        "forward": [],
+        "window_types": [],
+        "split_model": [],
+        "split_opt": [],
+    }
     current = {"step": None}
 
     def wrap(obj, name, record):
@@ -71,7 +78,9 @@ def recorded(tmp_path_factory):
 
     def recording(real_forward):
         def forward(inputs, targets, cu_seqlens, windows, mtp_weights=None):
-            calls["forward"].append((current["step"], tuple(windows), mtp_weights, inputs.numel()))
+            as_ints = tuple(int(w) for w in windows)
+            calls["forward"].append((current["step"], as_ints, mtp_weights, inputs.numel()))
+            calls["window_types"].append((current["step"], type(windows)))
             return real_forward(inputs, targets, cu_seqlens, windows, mtp_weights)
 
         return forward
@@ -120,6 +129,9 @@ def test_model_receives_the_planned_windows_and_mtp_weights_on_every_microbatch(
             expected = torch.tensor(plan.mtp_weights, dtype=torch.float32)
             assert isinstance(mtp, torch.Tensor) and torch.equal(mtp.cpu(), expected), plan.step
     assert len({w for _, w, _, _ in train}) == 2 and len({tuple(m) for _, _, m, _ in train}) >= 3
+    # Training windows are a tensor too (one compiled graph for every stage), validation's are ints.
+    kinds = {(step is None, kind) for step, kind in calls["window_types"]}
+    assert kinds == {(False, torch.Tensor), (True, tuple)}, kinds
     val = [c for c in calls["forward"] if c[0] is None]
     assert val and all(w == schedule.val_windows(t.cfg.schedule) and m is None for _, w, m, _ in val)
 

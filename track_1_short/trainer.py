@@ -166,6 +166,7 @@ class Trainer:
             cfg.optim,
         )
         self.forward = self.model
+        self._window_tensors: dict[tuple[int, int], torch.Tensor] = {}
         self.compiled = device.type == "cuda" and cfg.compile
         if self.compiled:
             self.forward = torch.compile(self.model, dynamic=False)
@@ -293,10 +294,12 @@ class Trainer:
         self.opt.set_schedule(plan.lr_multiplier, plan.rail_beta, step)
         accum = accumulation_steps(plan.batch_tokens, self.world, self.cfg.micro_batch_tokens)
         micro = plan.batch_tokens // self.world // accum
-        # Outside the compiled forward, so that its graph never holds a rotary update or a new MTP constant:
-        # the rotary state follows the windows here (a no-op within a stage), and the MTP weights, which ramp
-        # every step, enter as a tensor.
+        # Outside the compiled forward, so that its graph never holds a rotary update or a constant that
+        # changes: the rotary state follows the windows here (a no-op within a stage), and the windows and
+        # the MTP weights (which ramp every step) enter as tensors, so every stage of one micro-batch shape
+        # runs the same graph.
         self.model.follow_windows(plan.windows)
+        windows = self._window_tensor(plan.windows)
         mtp = torch.tensor(plan.mtp_weights, dtype=torch.float32).to(self.device, non_blocking=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for k in range(accum):
@@ -305,7 +308,7 @@ class Trainer:
                 self.opt.arm_replicated_reduce()
             b = self.loader.next_batch(micro, plan.max_doc_len)
             cu = fixed_boundaries(b.cu_seqlens, micro)
-            loss = self.forward(b.inputs, b.targets, cu, plan.windows, mtp)
+            loss = self.forward(b.inputs, b.targets, cu, windows, mtp)
             if marks is not None:
                 marks("forward")
             # Per-token mean over this rank's step, or (loss_sum_ranks N) the sum over batch/N tokens; the
@@ -320,6 +323,13 @@ class Trainer:
             self.guards.after_update(step)  # replicas compared every guards.checksum_every steps
         self.tokens_seen += plan.batch_tokens
         return loss_sum / (micro * accum)
+
+    def _window_tensor(self, windows) -> torch.Tensor:
+        """The (short, long) windows as a device tensor, one per distinct pair (uploaded once)."""
+        key = tuple(int(w) for w in windows)
+        if key not in self._window_tensors:
+            self._window_tensors[key] = torch.tensor(key, dtype=torch.int64, device=self.device)
+        return self._window_tensors[key]
 
     # -- phases --
     def warmup(self) -> list[int]:

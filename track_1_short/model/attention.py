@@ -34,12 +34,12 @@ ATTENTION_IMPLS = ("auto", "reference", "flex")
 # -- the mask ------------------------------------------------------------------------------------------------
 
 
-def visible(doc_q: Tensor, doc_k: Tensor, pos_q: Tensor, pos_k: Tensor, window: int) -> Tensor:
+def visible(doc_q: Tensor, doc_k: Tensor, pos_q: Tensor, pos_k: Tensor, window: int | Tensor) -> Tensor:
     """The attention mask (broadcasting): same document, causal, and at most ``window`` tokens back."""
     return (doc_q == doc_k) & (pos_k <= pos_q) & (pos_q - pos_k <= window)
 
 
-def kv_block_lists(doc_ids: Tensor, window: int, block: int) -> tuple[Tensor, Tensor]:
+def kv_block_lists(doc_ids: Tensor, window: int | Tensor, block: int) -> tuple[Tensor, Tensor]:
     """For each block of ``block`` queries, the key blocks that can hold a visible key.
 
     doc_ids int32 [S] (S a multiple of ``block``). Returns (kv_num_blocks int32 [n], kv_indices int32 [n, n]),
@@ -65,13 +65,16 @@ def kv_block_lists(doc_ids: Tensor, window: int, block: int) -> tuple[Tensor, Te
 # -- the two paths -------------------------------------------------------------------------------------------
 
 
-def reference_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, window: int, block: int) -> Tensor:
+def reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, window: int | Tensor, block: int
+) -> Tensor:
     """Masked softmax attention, fp32 scores. q, k [S, h, dq] (q already scaled), v [S, h, dv] -> [S, h, dv].
 
     Queries go block by block; each block scores only keys in [block start - window, block end), the only ones
     the mask can let through, so the cost is S * (window + block) instead of S^2.
     """
     s = q.size(0)
+    window = int(window)  # a device tensor of the window is read once here: this path slices on the host
     pos = torch.arange(s, device=q.device)
     out = []
     for a in range(0, s, block):
@@ -100,7 +103,7 @@ def _flex_function(device_type: str):
 
 
 def flex_attention_varlen(
-    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, window: int, block: int
+    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, window: int | Tensor, block: int
 ) -> Tensor:
     """The same attention through FlexAttention with a block-sparse mask. Shapes as reference_attention.
 
@@ -125,7 +128,7 @@ def flex_attention_varlen(
     )
     # [S, h, d] -> [1, h, S, d], FlexAttention's layout; q carries the softmax scale already.
     qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
-    if q.is_cuda and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         y = flex_attention(qh, kh, vh, block_mask=block_mask, scale=1.0)  # lowered into the caller's graph
     elif q.is_cuda:
         y = _flex_function("cuda")(qh, kh, vh, block_mask=block_mask, scale=1.0)
@@ -136,12 +139,14 @@ def flex_attention_varlen(
     return y[0].transpose(0, 1)[:s]
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, window: int, block: int, impl: str) -> Tensor:
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, window: int | Tensor, block: int, impl: str
+) -> Tensor:
     """Dispatch on ``impl`` ("auto": flex on CUDA, reference elsewhere).
 
     Inside a compiled model FlexAttention is traced into the model's graph (Inductor lowers it with the block
-    mask built in the same graph), so a forward is one graph per batch geometry: new documents change only
-    tensor values, never the graph.
+    mask built in the same graph), so a forward is one graph per micro-batch shape: new documents, and windows
+    given as a device tensor, change only tensor values, never the graph.
     """
     if impl == "auto":
         impl = "flex" if q.is_cuda else "reference"
@@ -194,7 +199,7 @@ def causal_self_attention(
     o_w: Tensor,
     spec: AttnSpec,
     seq: PackedSequence,
-    window: int,
+    window: int | Tensor,
     freq: Tensor,
     attn_scale: Tensor,
     qkv_gain: Tensor,

@@ -854,9 +854,18 @@ class GPT(nn.Module):
         if any(x.device != inputs.device for x in tensors):
             devices = [str(x.device) for x in tensors]
             fail(f"inputs, targets and cu_seqlens must be on one device, got {devices}.")
-        if not hasattr(windows, "__len__") or len(windows) != 2:
+        window_tensor = isinstance(windows, Tensor)
+        if window_tensor:
+            if windows.shape != (2,) or windows.dtype not in (torch.int32, torch.int64):
+                fail(
+                    f"windows as a tensor must be int32/int64 [2] (short, long) in blocks of {cfg.block_size} "
+                    f"tokens, got {windows.dtype} {tuple(windows.shape)}."
+                )
+            if windows.device != inputs.device:
+                fail(f"windows is on {windows.device}, inputs on {inputs.device}: put them on one device.")
+        elif not hasattr(windows, "__len__") or len(windows) != 2:
             fail(f"windows must be (short, long) in blocks of {cfg.block_size} tokens, got {windows!r}.")
-        if any(not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in windows):
+        elif any(not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in windows):
             fail(f"windows must be two ints >= 1 (blocks of {cfg.block_size} tokens), got {windows!r}.")
         if len(mtp_weights) == 0 or any(not math.isfinite(w) or w < 0 for w in mtp_weights):
             fail(f"mtp_weights must be a non-empty list of finite weights >= 0, got {mtp_weights!r}.")
@@ -864,8 +873,21 @@ class GPT(nn.Module):
         ranges = [inputs.min(), inputs.max()]
         if targets is not None:
             ranges += [targets.min(), targets.max()]
+        if window_tensor:
+            ranges += list(windows.long().unbind())
         values = torch.cat([torch.stack(ranges).long(), cu_seqlens.long()]).tolist()  # the one sync
         ranges, cu = values[: len(ranges)], values[len(ranges) :]
+        if window_tensor:
+            blocks, ranges = ranges[-2:], ranges[:-2]
+            if min(blocks) < 1:
+                fail(f"windows must be >= 1 block of {cfg.block_size} tokens, got {blocks}.")
+            fitted = [w // cfg.block_size for w in self._rope_windows]
+            if self.training and torch.is_grad_enabled() and fitted != blocks:
+                fail(
+                    f"windows {blocks} (a tensor) differ from the windows the rotary state is fitted to "
+                    f"({fitted}; -1 = none yet): a training forward does not read a tensor's values on the "
+                    "host, so call model.follow_windows(windows) with the ints first."
+                )
         if ranges[0] < 0 or ranges[1] >= cfg.vocab_size:
             fail(
                 f"inputs holds token ids in [{ranges[0]}, {ranges[1]}], outside the vocabulary "
@@ -894,15 +916,18 @@ class GPT(nn.Module):
 
         inputs int32/int64 [T] of whole documents, targets int64 [T], cu_seqlens int32 [n_docs + 1] (it may
         end in repeated T entries: empty documents, so that its length stays fixed), windows (short, long) in
-        blocks of block_size tokens, mtp_weights: weight of predicting t+1, t+2, ... (a list, or an fp32 [K]
-        tensor on the model's device: a compiled model then takes new weights without a new graph).
+        blocks of block_size tokens (two ints, or an int [2] tensor on the model's device: a compiled model
+        then takes every stage's windows with one graph; a training forward leaves the rotary state to the
+        caller's ``follow_windows``, which the input checks verify), mtp_weights: weight of predicting t+1,
+        t+2, ... (a list, or an fp32 [K] tensor on the model's device: a compiled model then takes new
+        weights without a new graph).
         """
         mtp = [1.0] if mtp_weights is None else mtp_weights
         if self.cfg.check_inputs:
             listed = mtp.tolist() if isinstance(mtp, Tensor) else [float(w) for w in mtp]
             self.check_inputs(inputs, targets, cu_seqlens, windows, listed)
-        if self.training and torch.is_grad_enabled():  # a training step, not an evaluation
-            self.follow_windows(windows)
+        if self.training and torch.is_grad_enabled() and not isinstance(windows, Tensor):
+            self.follow_windows(windows)  # a training step, not an evaluation (a tensor: the caller's job)
         hidden = self.hidden(inputs, cu_seqlens, windows)
         cfg = self.cfg
         # An evaluation forward scores its logits with upstream's validation numerics (softcap in the compute
@@ -983,7 +1008,10 @@ class GPT(nn.Module):
         tokens = inputs.long()
         doc_start = lookback_starts(document_starts(cu_seqlens, t), cfg.cross_document_lookback)
         seq = PackedSequence(document_ids(cu_seqlens, t), doc_start, cfg.block_size, cfg.attention_impl)
-        window_tokens = (int(windows[0]) * cfg.block_size, int(windows[1]) * cfg.block_size)
+        if isinstance(windows, Tensor):  # device values: one graph for every window of a compiled model
+            window_tokens = tuple((windows.long() * cfg.block_size).unbind())
+        else:
+            window_tokens = (int(windows[0]) * cfg.block_size, int(windows[1]) * cfg.block_size)
 
         sa = self.scalars[: 2 * L].view(L, 2)
         resid = self.resid_lambdas.to(cd)
