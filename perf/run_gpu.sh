@@ -13,8 +13,8 @@
 # A failing stage is reported loudly and the later stages still run (GPU time is scarce); the script then
 # exits 1 naming the failed stages. With $OUT set, the logs grow there and each stage's JSON (and RESULTS.md)
 # is copied there when the stage ends, so a run cut short still hands back what it did. Flat names, at most
-# 8 files: pytest_gpu.log, bench.log, record_1gpu_log.txt, record_1gpu.json, replicated_adam.json, optimizer.json,
-# train_step.json, RESULTS.md.
+# 9 files: pytest_gpu.log, bench.log, record_1gpu_log.txt, record_1gpu_events.jsonl, record_1gpu.json,
+# replicated_adam.json, optimizer.json, train_step.json, RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -107,11 +107,16 @@ bench() {  # name: perf/bench_<name>.py --out perf/results/<name>.json
 }
 
 preset() {  # the one-GPU record preset through the trainer, then its figures (perf/run_summary.py)
-  local runs=$logs/runs cmd=(python3 -m track_1_short.train experiment=record_1gpu)
+  # The run directory stays out of $OUT (a run writes more files than come back); its log and events do.
+  local runs cmd=(python3 -m track_1_short.train experiment=record_1gpu)
+  runs=$(mktemp -d "${TMPDIR:-/tmp}/record_1gpu.XXXXXX")
   local date
   date=$(date -u +%FT%T+00:00)
   "${cmd[@]}" runs_root="$runs" run_name=record_1gpu 2>&1 | tee -a "$log" || return
-  [[ -n ${OUT:-} ]] && cp "$runs/record_1gpu/log.txt" "$OUT/record_1gpu_log.txt"
+  if [[ -n ${OUT:-} ]]; then
+    cp "$runs/record_1gpu/log.txt" "$OUT/record_1gpu_log.txt"
+    cp "$runs/record_1gpu/events.jsonl" "$OUT/record_1gpu_events.jsonl"
+  fi
   python3 perf/run_summary.py "$runs/record_1gpu" --out perf/results/record_1gpu.json --date "$date" \
     --command "${cmd[*]}" --commit "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" 2>&1 | tee -a "$log" \
     || return
