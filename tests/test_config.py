@@ -63,7 +63,9 @@ def test_record_preset_selects_the_full_model_data_and_schedule():
 def test_record_presets_run_the_host_side_fast_paths(experiment):
     cfg = to_object(compose_train(f"experiment={experiment}"))
     assert cfg.gc_freeze  # the collector frozen in the timed loop (perf/frozen_gc.py)
-    # optim.scalar_upload=batched (perf/bank_scalars.py) joins these once it has run on a GPU.
+    assert (
+        cfg.optim.scalar_upload == "batched"
+    )  # one pinned non-blocking upload a step (perf/bank_scalars.py)
 
 
 def test_smoke_record_preset_names_a_target():

@@ -126,7 +126,10 @@ def test_model_receives_the_planned_windows_and_mtp_weights_on_every_microbatch(
         for windows, mtp, _ in micro:
             assert windows == plan.windows, plan.step
             # A tensor (a compiled model takes a new ramp value without a new graph), in fp32.
-            expected = torch.tensor(plan.mtp_weights, dtype=torch.float32)
+            # Zero-padded to the widest stage's count, so that every stage runs one graph.
+            width = max(len(st.mtp_weights) for st in t.cfg.schedule.stages)
+            padded = list(plan.mtp_weights) + [0.0] * (width - len(plan.mtp_weights))
+            expected = torch.tensor(padded, dtype=torch.float32)
             assert isinstance(mtp, torch.Tensor) and torch.equal(mtp.cpu(), expected), plan.step
     assert len({w for _, w, _, _ in train}) == 2 and len({tuple(m) for _, _, m, _ in train}) >= 3
     # Training windows are a tensor too (one compiled graph for every stage), validation's are ints.

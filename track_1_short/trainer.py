@@ -167,6 +167,7 @@ class Trainer:
         )
         self.forward = self.model
         self._window_tensors: dict[tuple[int, int], torch.Tensor] = {}
+        self.mtp_width = max(len(st.mtp_weights) for st in cfg.schedule.stages)
         self.compiled = device.type == "cuda" and cfg.compile
         if self.compiled:
             self.forward = torch.compile(self.model, dynamic=False)
@@ -300,7 +301,10 @@ class Trainer:
         # runs the same graph.
         self.model.follow_windows(plan.windows)
         windows = self._window_tensor(plan.windows)
-        mtp = torch.tensor(plan.mtp_weights, dtype=torch.float32).to(self.device, non_blocking=True)
+        # Zero-padded to the schedule's widest stage: a stage with fewer MTP targets is the same graph, and a
+        # zero weight leaves the gradient bitwise unchanged (tests/model/test_layers.py).
+        padded = list(plan.mtp_weights) + [0.0] * (self.mtp_width - len(plan.mtp_weights))
+        mtp = torch.tensor(padded, dtype=torch.float32).to(self.device, non_blocking=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for k in range(accum):
             if plan.do_adam and k == accum - 1:

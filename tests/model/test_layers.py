@@ -181,3 +181,26 @@ def test_smear_adds_the_gated_previous_token_and_stops_at_document_starts():
         expected[t] = x[t] + lam * gate[t] * x[t - 1]
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(out[[0, 3]], x[[0, 3]])  # document starts: untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_padded_mtp_weights_give_the_same_gradient_bitwise_and_the_same_loss(dtype):
+    # The trainer pads every stage's MTP weights with zeros to the widest stage's count (one compiled graph).
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 8, generator=g).to(dtype)
+    w = (torch.randn(8, 96, generator=g) * 0.3).to(dtype)
+    targets = torch.randint(0, 96, (70,), generator=g)
+    results = []
+    for mtp in ([1.0, 0.4], [1.0, 0.4, 0.0], [1.0, 0.4, 0.0, 0.0]):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = softcapped_cross_entropy_sum(xg, wg, targets, torch.tensor(mtp), CAP, SHIFT, TEMP, 32)
+        (loss * 0.5).backward()
+        results.append((loss.detach(), xg.grad, wg.grad))
+    (loss_ref, gx_ref, gw_ref), *padded = results
+    for loss, gx, gw in padded:
+        # A zero weight adds exactly 0 to the softmax normaliser and -0.0 at its targets: the same gradient.
+        assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref)
+        # The loss sums a [rows, K] product whose zero columns change only the summation order: the same
+        # value up to fp32 reassociation over ~140 positive terms (a few ulps of the sum).
+        assert abs(float(loss) - float(loss_ref)) <= 8 * 2.0**-23 * abs(float(loss_ref))
+    assert gx_ref.abs().sum() > 0

@@ -107,12 +107,12 @@ class OptimConfig:
     """Replicated Adam: "fused" (flat buffers, one all_reduce and one kernel per dtype), "device" (the same
     with no host work: device scalar table, gradients accumulated in the flat buffer, one launch, CUDA graphs)
     or "reference" (per-parameter all_reduce and Adam step). All three give the same parameters."""
-    scalar_upload: str = "per_bank"
+    scalar_upload: str = "batched"
     """How set_schedule sends the banks' per-step scalars (rail betas, decay, per-matrix lr) to the device:
     "batched" (one host row for every bank, one pinned non-blocking copy a step:
     track_1_short/perf/bank_scalars.py) or "per_bank" (each bank its own pageable copy, which the host waits
-    for). Both give the same parameters. "per_bank" stays the default until "batched" has run on a GPU (its
-    CUDA tests and its measured effect on the record_1gpu preset)."""
+    for). Both give the same parameters (bitwise, tested on CUDA); "batched" keeps the host from waiting on
+    the GPU in set_schedule."""
     adam_every: int = 2
     """Adam updates on steps with step % adam_every == adam_every - 1 (upstream: odd steps)."""
     value_embed_period4_start: int = 336
