@@ -858,8 +858,8 @@ class GPT(nn.Module):
         if window_tensor:
             if windows.shape != (2,) or windows.dtype not in (torch.int32, torch.int64):
                 fail(
-                    f"windows as a tensor must be int32/int64 [2] (short, long) in blocks of {cfg.block_size} "
-                    f"tokens, got {windows.dtype} {tuple(windows.shape)}."
+                    "windows as a tensor must be int32/int64 [2] (short, long) in blocks of "
+                    f"{cfg.block_size} tokens, got {windows.dtype} {tuple(windows.shape)}."
                 )
             if windows.device != inputs.device:
                 fail(f"windows is on {windows.device}, inputs on {inputs.device}: put them on one device.")
