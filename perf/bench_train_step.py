@@ -220,6 +220,21 @@ def cycle_mean(per_step: list[float], adam: list[bool], adam_every: int) -> floa
     return (statistics.median(with_adam) + (adam_every - 1) * rest) / adam_every
 
 
+def recording_boundaries(next_batch, seen: list[torch.Tensor]):
+    """``next_batch`` that also appends a copy of each batch's ``cu_seqlens`` to ``seen``.
+
+    A copy (on the device, no sync): a CUDA loader refills its pinned and device buffers for the next
+    batches, so the tensor itself would hold a later batch's boundaries by the time it is read.
+    """
+
+    def recording_next_batch(*a, **k):
+        batch = next_batch(*a, **k)
+        seen.append(batch.cu_seqlens.clone())
+        return batch
+
+    return recording_next_batch
+
+
 def measure_stage(trainer, stage: int, warmup: int, steps: int, matmul_rate: float, profile: bool) -> dict:
     """Untimed steps from the stage's first step (the first compiles), then ``steps`` timed ones; the row."""
     from track_1_short.config import accumulation_steps
@@ -240,11 +255,7 @@ def measure_stage(trainer, stage: int, warmup: int, steps: int, matmul_rate: flo
 
     seen: list[torch.Tensor] = []  # the boundaries of every timed batch, read after the timing (no sync)
     next_batch = trainer.loader.next_batch
-
-    def recording_next_batch(*a, **k):
-        batch = next_batch(*a, **k)
-        seen.append(batch.cu_seqlens)
-        return batch
+    recording_next_batch = recording_boundaries(next_batch, seen)
 
     def run_step(step: int, timer: Timer | None) -> torch.Tensor:
         if timer is None:

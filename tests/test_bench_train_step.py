@@ -29,6 +29,24 @@ def test_batch_flops_weigh_each_document_by_its_tokens():
     assert calls == [(10, [1, 3]), (30, [1, 3]), (60, [1, 3])]
 
 
+def test_recorded_boundaries_survive_a_loader_that_refills_its_buffer():
+    # As the CUDA loader does: every batch is written into the same cu_seqlens buffer.
+    from types import SimpleNamespace
+
+    buffer = torch.zeros(3, dtype=torch.int32)
+    batches = iter([[0, 5, 9], [0, 2, 9], [0, 7, 9]])
+
+    def next_batch():
+        buffer.copy_(torch.tensor(next(batches), dtype=torch.int32))
+        return SimpleNamespace(cu_seqlens=buffer)
+
+    seen = []
+    record = bench.recording_boundaries(next_batch, seen)
+    for _ in range(3):
+        record()
+    assert [c.tolist() for c in seen] == [[0, 5, 9], [0, 2, 9], [0, 7, 9]]
+
+
 def test_step_times_run_from_each_start_to_the_next_and_add_up_microbatches():
     # step 1: one microbatch; step 2: two (forward, backward, forward, backward); then the closing start.
     labels = ["start", "forward", "backward", "start", "forward", "backward", "forward", "backward", "start"]

@@ -57,7 +57,16 @@ def test_tensor_windows_train_and_evaluate_bitwise_like_int_windows(tiny_fp32, i
         assert torch.equal(la, lb), windows
         assert ga.keys() == gb.keys() and (len(ga) > 10 or not backward)
         for name in ga:
-            assert torch.equal(ga[name], gb[name]), (windows, name)
+            if device == "cpu":
+                assert torch.equal(ga[name], gb[name]), (windows, name)
+            else:
+                # On CUDA FlexAttention's backward is a Triton kernel compiled per mask: an int window is a
+                # constant of its code, a tensor window a loaded value, so the two kernels may order their
+                # fp32 accumulation differently. The forward (the loss) stays bitwise; gradients, stored in
+                # bf16 for the bf16 parameters, differed by at most 2^-9 of their largest entry on an H200
+                # (after a window change); the bound is one bf16 ulp of that entry, 2^-8.
+                bound = 2.0**-8 * ga[name].float().abs().max()
+                assert (ga[name].float() - gb[name].float()).abs().max() <= bound, (windows, name)
         assert torch.equal(a.rope_freq, b.rope_freq) and a.rope_windows.tolist() == b.rope_windows.tolist()
     with torch.no_grad():
         ints = a.eval().logits(inputs, cu, (2, 9))
