@@ -172,6 +172,7 @@ README_COMMANDS = {
         "data.kind": "shards",
     },
     "checkpoint.every=50": {**COMPACT, "checkpoint.every": 50},
+    "checkpoint.final=true": {**COMPACT, "checkpoint.final": True, "checkpoint.every": 0},
     "resume=runs/<run>/checkpoints": {**COMPACT, "resume": "runs/RUN/checkpoints"},  # <run>: a placeholder
     "experiment=smoke_record": {**COMPACT, "steps": 16, "smoke_target": 6.55},
     # The one-GPU record preset: the record's model and stage geometries, 134 steps, the synthetic corpus with

@@ -189,12 +189,26 @@ def test_missing_data_directory_prints_the_download_command_without_a_traceback(
 def test_device_replicated_mode_trains_bit_for_bit_like_the_fused_path(one_process, tmp_path):
     # optim.replicated_impl=device: gradients accumulate in the flat buffer over both microbatches, the
     # reduce is armed before the last backward of Adam steps, the table is built on the device; same bits.
+    from tools.compare_checkpoints import compare
+
     device = trainer.run(
-        short_cfg(str(tmp_path), MICRO, "checkpoint.every=2", "optim.replicated_impl=device")
+        short_cfg(
+            str(tmp_path),
+            MICRO,
+            "checkpoint.every=2",
+            "optim.replicated_impl=device",
+            "checkpoint.final=true",
+        )
     )
     assert device.train_losses == one_process.train_losses
     assert device.val_loss == one_process.val_loss
     assert_bitwise_equal(params_of(device), params_of(one_process))
+    # checkpoint.final: a checkpoint of the end state (step 8 of 8), which is the fused run's end state bit
+    # for bit: parameters, buffers, the optimizer's moments and master weights, the loader's position.
+    final = checkpoint.load(device.run_dir / "checkpoints")
+    assert final["step"] == sum(STEPS)
+    entries, diffs = compare(final, one_process.trainer._payload())
+    assert diffs == [] and entries > 2 * len(final["model"]), (entries, diffs[:5])
 
 
 def _first_step_grads(runs_root: str, *overrides: str) -> dict[str, torch.Tensor]:

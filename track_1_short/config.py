@@ -41,6 +41,9 @@ class CheckpointConfig:
     """Where checkpoints go; "" = ``<run_dir>/checkpoints``."""
     keep_last: int = 2
     """Keep only the newest this many checkpoints; 0 = keep all."""
+    final: bool = False
+    """Also write one after the last step (before the final validation, off the clock): the trained model and
+    its optimizer state, e.g. to compare two runs bitwise with tools/compare_checkpoints.py."""
 
 
 @dataclass

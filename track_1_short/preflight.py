@@ -198,7 +198,7 @@ def prepare(cfg, paths: dict, total_steps: int) -> RunPlan:
             check_shards(paths, cfg)
             resumed = check_checkpoint(cfg, total_steps) if cfg.resume else None
             plan = plan_run_dir(cfg, resumed)
-            if cfg.checkpoint.every > 0 and cfg.checkpoint.dir:
+            if (cfg.checkpoint.every > 0 or cfg.checkpoint.final) and cfg.checkpoint.dir:
                 check_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
             outcome = ("ok", plan)
         except (*data.USER_ERRORS, CheckpointError, RunDirError) as e:

@@ -446,7 +446,8 @@ class Trainer:
                 self.step += 1
                 done, last = self.step, self.step == n
                 want_val = last or (cfg.val_every > 0 and done % cfg.val_every == 0)
-                want_ckpt = cfg.checkpoint.every > 0 and done % cfg.checkpoint.every == 0 and not last
+                every = cfg.checkpoint.every
+                want_ckpt = (cfg.checkpoint.final and last) or (every > 0 and done % every == 0 and not last)
                 if done % check_every == 0 or want_val or want_ckpt or done % cfg.log_every == 0:
                     checked = self._check_losses(pending)  # a device sync: the time below is real
                     now = time.perf_counter()

@@ -495,6 +495,11 @@ class AnvilAndAdam:
             if self.param_cfgs[label].optim == "adam" and p.grad is not None:
                 grad = p.grad.detach().clone()
                 distributed.all_reduce_avg(grad).wait()
+                # The device mode's gradients are views into its flat buffer, which zero_grad zeroes where
+                # the other paths set None: all zeros there is nothing pending (loading restores the zeros),
+                # so both save the same state. Decided after the reduce: the same on every rank.
+                if self._owns_grad(label) and not grad.any():
+                    continue
                 pending[label] = grad.cpu()
         return {"format": STATE_FORMAT, "tied": self.tied, "params": params, "pending_grads": pending}
 
