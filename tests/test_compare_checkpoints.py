@@ -71,7 +71,10 @@ def test_values_shapes_and_entries_present_in_one_only_are_differences():
     b["model"]["extra"] = torch.zeros(1)
     del b["optimizer"]["tied"]
     _, diffs = cc.compare(payload(), b)
-    assert {(d["entry"], d["why"]) for d in diffs} == {("model.extra", "only in B"), ("optimizer.tied", "only in A")}
+    assert {(d["entry"], d["why"]) for d in diffs} == {
+        ("model.extra", "only in B"),
+        ("optimizer.tied", "only in A"),
+    }
 
 
 def test_a_missing_checkpoint_exits_2_with_one_line(tmp_path, capsys):

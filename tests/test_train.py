@@ -211,6 +211,25 @@ def test_device_replicated_mode_trains_bit_for_bit_like_the_fused_path(one_proce
     assert diffs == [] and entries > 2 * len(final["model"]), (entries, diffs[:5])
 
 
+def test_deterministic_holds_for_the_run_and_is_restored_after_it_even_on_an_error(tmp_path, monkeypatch):
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def built(*args, **kwargs):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        raise Stop
+
+    monkeypatch.setattr(trainer, "Trainer", built)
+    assert not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(Stop):
+        trainer.run(short_cfg(str(tmp_path), "deterministic=true"))
+    with pytest.raises(Stop):
+        trainer.run(short_cfg(str(tmp_path), "deterministic=false"))
+    assert seen == [True, False] and not torch.are_deterministic_algorithms_enabled()
+
+
 def _first_step_grads(runs_root: str, *overrides: str) -> dict[str, torch.Tensor]:
     """The gradients step 0's optimizer step receives (captured before it consumes them)."""
     from track_1_short.config import to_object

@@ -5,9 +5,10 @@
 A and B are checkpoint files or directories (a run directory, its ``checkpoints/``, or any directory whose
 ``latest`` names one; ``checkpoint.final=true`` makes a run write one after its last step). Compared: the
 step, every model parameter by label, the model's buffers (rotary state, the embedding-split flag), the
-optimizer's state_dict (moments, master weights, step counts) and the loader's position. Not compared: ``meta`` (it holds the config, which two runs being compared differ in)
-and the generator states. Tensors are compared as bits (so -0.0 vs 0.0 and NaN payloads count as
-differences); with ``--atol`` a floating tensor also passes when no element differs by more than X.
+optimizer's state_dict (moments, master weights, step counts) and the loader's position. Not compared:
+``meta`` (it holds the config, which two runs being compared differ in) and the generator states. Tensors
+are compared as bits (so -0.0 vs 0.0 and NaN payloads count as differences); with ``--atol`` a floating
+tensor also passes when no element differs by more than X.
 
 Exit status: 0 when every compared entry matches, 1 when one does not (each listed with its largest
 absolute and relative difference), 2 for bad input (a missing or unreadable checkpoint).

@@ -92,6 +92,11 @@ class TrainConfig:
     """torch.compile the model on CUDA (ignored on the CPU)."""
     warmup: bool | None = None
     """Run the representative steps untimed, then restore the initial state in place; null = on CUDA only."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms for the run (Inductor follows it: no atomic scatter-adds, fixed
+    reduction configs), so that two runs of one config give the same bits on CUDA too, at some cost in speed.
+    For checking paths that promise the same bits over a whole run (tools/compare_checkpoints.py); records
+    keep it off. Restored to its previous value when the run ends."""
     gc_freeze: bool = True
     """Python's cyclic garbage collector out of the timed loop (track_1_short/perf/frozen_gc.py): one
     collection and gc.freeze() before the clock starts, gc.disable() until the loop ends (restored then, also

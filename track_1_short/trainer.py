@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -554,6 +555,11 @@ def run(cfg: DictConfig | TrainConfig) -> RunResult:
     tcfg = to_object(cfg)
     device = distributed.init(select_device(tcfg))
     apply_cpu_threads(tcfg, device)
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    if tcfg.deterministic:
+        # cuBLAS is deterministic only with a fixed workspace configuration; torch refuses matmuls otherwise.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     trainer = None
     try:
         trainer = Trainer(tcfg, resolved_dict, device)
@@ -563,6 +569,8 @@ def run(cfg: DictConfig | TrainConfig) -> RunResult:
         result = trainer.train()
     except KeyboardInterrupt as e:
         raise run_report.RunInterrupted(trainer) from e
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
     result.corpus = corpus_facts(trainer.paths)
     result.trainer = trainer
     result.summary = run_report.finish(trainer, result)
