@@ -2,7 +2,7 @@
 
     python perf/bench_optimizer.py --out perf/results/optimizer.json                 # CUDA, track-1 banks
     python perf/bench_optimizer.py --device cpu --out /tmp/optimizer.json            # CPU: small banks
-    python perf/bench_optimizer.py --bank-update eager compiled --out /tmp/optimizer.json  # both arms, one run
+    python perf/bench_optimizer.py --bank-update eager compiled --out /tmp/optimizer.json  # both arms
 
 The banks are the record's (reshape views): qk [48, 256, 768] (wide), vo [16, 768, 768] (square), mlp
 [24, 2816, 768] (tall, c_proj x2, two frozen matrices), bf16, random weights and gradients. ``--shapes small``

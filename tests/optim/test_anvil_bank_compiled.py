@@ -167,7 +167,9 @@ def test_inductor_on_the_cpu_agrees_with_eager_within_fp32_rounding(backend, kin
     # <= 3e-7 relative). The bounds are ten times the measured figures; a wrong formula, lane axis or gate is
     # off by O(1). The frozen matrix must not move at all (its lr multiplies both terms of the step).
     backend("inductor")
-    for s, (step_err, rail_err, energy_err, frozen) in enumerate(step_pair(KINDS[kind], "inductor", "cpu", 3)):
+    for s, (step_err, rail_err, energy_err, frozen) in enumerate(
+        step_pair(KINDS[kind], "inductor", "cpu", 3)
+    ):
         assert step_err < 3e-6, (kind, s, step_err)
         assert rail_err < 1e-6 and energy_err < 1e-6, (kind, s, rail_err, energy_err)
         assert frozen, (kind, s)
@@ -185,7 +187,9 @@ def test_on_cuda_inductor_agrees_with_eager_at_the_track1_bank_shapes(backend, l
     # rounding of a cascade input, that entry's update moves by one bf16 step, so the step error is a
     # diluted bf16 rounding, well under the 2^-8 of one rounding.
     backend("inductor")
-    for s, (step_err, rail_err, energy_err, frozen) in enumerate(step_pair(TRACK1[label], "inductor", "cuda", 4)):
+    for s, (step_err, rail_err, energy_err, frozen) in enumerate(
+        step_pair(TRACK1[label], "inductor", "cuda", 4)
+    ):
         assert step_err < 4e-3, (label, s, step_err)
         assert rail_err < 1e-6 and energy_err < 1e-5, (label, s, rail_err, energy_err)
         assert frozen, (label, s)

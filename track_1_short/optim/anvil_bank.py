@@ -193,7 +193,9 @@ class AnvilBank:
         self.scalars = scalars
         self.momentum, self.eff_wd, self.fast_beta, self.fast_weight = self.scalars[:_N_SCALARS].unbind()
         self.eff_lr = self.scalars[_N_SCALARS:].view(chunk, 1, 1)
-        self.constants = dict(beta2=self.beta2, slow_beta=self.slow_beta, margin=self.margin, red_dim=self.red_dim)
+        self.constants = dict(
+            beta2=self.beta2, slow_beta=self.slow_beta, margin=self.margin, red_dim=self.red_dim
+        )
         self.update_fn = bank_update_ if update_fn is None else update_fn
 
     def stage(
@@ -205,10 +207,16 @@ class AnvilBank:
         self.scalars.copy_(host, non_blocking=False)
 
     def update(self) -> None:
-        """One ANVIL step of this chunk from ``grad`` (steps 1-4 of the module docstring): :func:`bank_update_`
-        eagerly, or the compiled graph of it given as ``update_fn`` (the same function, the same operands)."""
+        """One ANVIL step of this chunk from ``grad`` (steps 1-4 of the module docstring):
+        :func:`bank_update_` eagerly, or its compiled graph given as ``update_fn`` (the same operands)."""
         self.update_fn(
-            self.grad, self.weight, self.velocity, self.lane_energy, self.mantissa, self.scalars, **self.constants
+            self.grad,
+            self.weight,
+            self.velocity,
+            self.lane_energy,
+            self.mantissa,
+            self.scalars,
+            **self.constants,
         )
 
     def reset(self) -> None:
