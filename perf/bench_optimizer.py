@@ -2,6 +2,7 @@
 
     python perf/bench_optimizer.py --out perf/results/optimizer.json                 # CUDA, track-1 banks
     python perf/bench_optimizer.py --device cpu --out /tmp/optimizer.json            # CPU: small banks
+    python perf/bench_optimizer.py --bank-update eager compiled --out /tmp/optimizer.json  # both arms
 
 The banks are the record's (reshape views): qk [48, 256, 768] (wide), vo [16, 768, 768] (square), mlp
 [24, 2816, 768] (tall, c_proj x2, two frozen matrices), bf16, random weights and gradients. ``--shapes small``
@@ -9,11 +10,17 @@ The banks are the record's (reshape views): qk [48, 256, 768] (wide), vo [16, 76
 matrices. At world size 1 a step is, per bank, the local reduce_scatter/all_gather copies plus
 ``AnvilBank.update()``: twin rails, cascade, lane equaliser, master update.
 
-Rows, one per bank and one for the whole ``AnvilAndAdam.step(do_adam=False)``:
+Rows, one per bank and one for the whole ``AnvilAndAdam.step(do_adam=False)``, for each ``--bank-update``
+arm (``optim.bank_update``: ``eager``, ``compiled``; default both on CUDA, eager on the CPU). Each arm builds
+the optimizer with that setting and times its own ``update()`` and ``step()``, so the compiled arm times the
+graphs the optimizer made (track_1_short/perf/bank_compile.py), not a copy of them:
 
+- ``bank_update``: the arm; ``compile_s``: the compiled arm's first ``update()`` of the bank (Dynamo and
+  Inductor), wall seconds, untimed otherwise; ``vs_eager``: the eager arm's ``step_ms`` over this row's;
 - ``step_ms``: the bank's ``update()`` (the total row: the whole optimizer step), mean over ``--steps`` after
   ``--warmup``, CUDA events on the GPU, perf_counter on the CPU;
-- ``cascade_ms``: ``orthogonalize`` alone on the bank's chunk; ``rest_ms = step_ms - cascade_ms``;
+- ``cascade_ms``: ``orthogonalize`` alone on the bank's chunk (compiled the same way in the compiled arm);
+  ``rest_ms = step_ms - cascade_ms``;
 - ``cascade_ms_floor``: the cascade's matmul FLOPs (``cascade_flops``, plain matmuls) at the bf16 matmul rate
   measured in the same run (median of repeated n^3 matmuls, n = 8192 on CUDA, 512 on the CPU);
 - ``rest_ms_floor``: the bytes the elementwise part must move at least, 28 per bank element (read the bf16
@@ -36,7 +43,7 @@ from collections.abc import Callable
 
 import torch
 
-from track_1_short.optim.anvil import AnvilAndAdam, OptimConfig
+from track_1_short.optim.anvil import BANK_UPDATES, AnvilAndAdam, OptimConfig
 from track_1_short.optim.polar_express import cascade_flops, orthogonalize
 from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
 
@@ -99,7 +106,7 @@ def copy_gbps(device: torch.device, numel: int, repeats: int = 5) -> float:
     return 2 * src.numel() * src.element_size() / (statistics.median(times) * 1e-3) / 1e9
 
 
-def build(banks: dict, device: torch.device):
+def build(banks: dict, device: torch.device, bank_update: str = "eager"):
     gen = torch.Generator(device=device).manual_seed(0)
     named, table, grads = [], {}, {}
     for label, (shape, reshape, mults) in banks.items():
@@ -117,28 +124,49 @@ def build(banks: dict, device: torch.device):
         }
         grads[label] = torch.randn(shape, generator=gen, device=device).bfloat16()
     order = list(banks)
-    opt = AnvilAndAdam(named, table, order, order, OptimConfig())
+    opt = AnvilAndAdam(named, table, order, order, OptimConfig(bank_update=bank_update))
     opt.set_schedule(1.0, 0.93, 100)
     return named, opt, grads
 
 
 def measure(
-    banks: dict, device: torch.device, steps: int, warmup: int, tflops: float, gbps: float
+    banks: dict,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    tflops: float,
+    gbps: float,
+    bank_update: str = "eager",
 ) -> list[dict]:
-    named, opt, grads = build(banks, device)
+    named, opt, grads = build(banks, device, bank_update)
+    compiled = bank_update == "compiled"
+    cascade = orthogonalize
+    if compiled:
+        from track_1_short.perf.bank_compile import COMPILE_BACKEND
+
+        cascade = torch.compile(orthogonalize, backend=COMPILE_BACKEND, dynamic=False, fullgraph=True)
     rows = []
     for label, _ in named:
         bank = opt.banks[label]
         bank.grad.copy_(grads[label].view(bank.grad.shape))
         chunk, r, c = bank.grad.shape
         x = bank.grad.clone()
+        extra = {}
+        if compiled:  # the first call makes the bank's graph: timed on its own, never in step_ms
+            sync(device)
+            t0 = time.perf_counter()
+            bank.update()
+            sync(device)
+            extra["compile_s"] = time.perf_counter() - t0
         step_ms = time_ms(bank.update, device, steps, warmup)
-        cascade_ms = time_ms(lambda x=x: orthogonalize(x), device, steps, warmup)
+        cascade_ms = time_ms(lambda x=x: cascade(x), device, steps, max(warmup, 1 if compiled else 0))
         flops = cascade_flops(chunk, r, c)
         rows.append(
             {
                 "bank": label,
+                "bank_update": bank_update,
                 "matrices": f"{chunk} x {r} x {c}",
+                **extra,
                 "step_ms": step_ms,
                 "cascade_ms": cascade_ms,
                 "cascade_ms_floor": flops / (tflops * 1e12) * 1e3,
@@ -161,6 +189,7 @@ def measure(
     rows.append(
         {
             "bank": "optimizer step (all banks)",
+            "bank_update": bank_update,
             "matrices": "",
             "step_ms": total_ms,
             "cascade_ms": total["cascade_ms"],
@@ -173,11 +202,22 @@ def measure(
     return rows
 
 
+def add_vs_eager(rows: list[dict]) -> None:
+    """Give every row ``vs_eager`` (eager step_ms / its step_ms) when the eager arm was measured."""
+    eager = {r["bank"]: r["step_ms"] for r in rows if r["bank_update"] == "eager"}
+    if eager:
+        for r in rows:
+            r["vs_eager"] = eager[r["bank"]] / r["step_ms"]
+
+
 def print_table(rows: list[dict]) -> None:
-    print(f"{'bank':<28}{'matrices':>18}{'step ms':>10}{'cascade':>10}{'floor':>9}{'rest':>10}{'floor':>9}")
+    print(
+        f"{'bank':<28}{'arm':>9}{'matrices':>18}{'step ms':>10}{'cascade':>10}{'floor':>9}{'rest':>10}"
+        f"{'floor':>9}"
+    )
     for r in rows:
         print(
-            f"{r['bank']:<28}{r['matrices']:>18}{r['step_ms']:>10.3f}{r['cascade_ms']:>10.3f}"
+            f"{r['bank']:<28}{r['bank_update']:>9}{r['matrices']:>18}{r['step_ms']:>10.3f}{r['cascade_ms']:>10.3f}"
             f"{r['cascade_ms_floor']:>9.3f}{r['rest_ms']:>10.3f}{r['rest_ms_floor']:>9.3f}"
         )
 
@@ -189,6 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 20 on cuda, 3 on cpu)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 5 / 1)")
     parser.add_argument("--matmul-size", type=int, default=None, help="n of the n^3 rate matmul (8192 / 512)")
+    parser.add_argument(
+        "--bank-update",
+        nargs="+",
+        choices=BANK_UPDATES,
+        default=None,
+        help="optim.bank_update arms, measured in this order in one run (default: eager compiled on cuda, "
+        "eager on cpu)",
+    )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -205,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
 
     tflops = matmul_tflops(device, n)
     gbps = copy_gbps(device, 1 << (28 if cuda else 22))
-    rows = measure(banks, device, steps, warmup, tflops, gbps)
+    arms = args.bank_update or (["eager", "compiled"] if cuda else ["eager"])
+    rows = [r for arm in arms for r in measure(banks, device, steps, warmup, tflops, gbps, arm)]
+    add_vs_eager(rows)
     rates = f"bf16 matmul {tflops:.2f} TFLOP/s, copy {gbps:.0f} GB/s"
     print(f"{device}, {shapes} banks, {steps} timed steps; {rates}")
     print_table(rows)
@@ -214,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             **bench_metadata(sys.argv if argv is None else ["perf/bench_optimizer.py", *argv], device),
             "title": "ANVIL optimizer step, track-1 banks, world size 1",
             "banks": shapes,
+            "bank_update": arms,
             "timed_steps": steps,
             "matmul_tflops": tflops,
             "matmul_n": n,
@@ -224,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"rest floor: {BYTES_PER_ELEMENT_FLOOR} bytes per bank element at the copy rate of this run",
                 "rest_ms = step_ms - cascade_ms: rails, equaliser, master update (the total row adds the "
                 "step's gradient and gather copies)",
+                "bank_update: optim.bank_update of the arm (compiled: one torch.compile graph per bank, "
+                "compile_s its first call); vs_eager: the eager arm's step_ms over the row's",
             ],
         }
         write_bench_json(args.out, payload)

@@ -68,6 +68,15 @@ def test_record_presets_run_the_host_side_fast_paths(experiment):
     )  # one pinned non-blocking upload a step (perf/bank_scalars.py)
 
 
+def test_bank_update_switch_reaches_the_typed_config_eager_by_default():
+    # Eager until the H200 measurement (perf/bench_optimizer.py --bank-update eager compiled) decides.
+    assert to_object(compose_train()).optim.bank_update == "eager"
+    assert to_object(compose_train("experiment=record")).optim.bank_update == "eager"
+    assert to_object(compose_train("optim.bank_update=compiled")).optim.bank_update == "compiled"
+    with pytest.raises(ConfigError, match=r"optim\.bank_update='fused'.*\['eager', 'compiled'\]"):
+        to_object(compose_train("optim.bank_update=fused"))
+
+
 def test_smoke_record_preset_names_a_target():
     cfg = to_object(compose_train("experiment=smoke_record"))
     assert cfg.smoke_target is not None and cfg.smoke_target > 0

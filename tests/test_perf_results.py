@@ -81,6 +81,28 @@ def test_rows_with_different_keys_share_one_table_with_dashes(tmp_path):
     assert "| a | b |" in text and "| 1 | - |" in text and "| - | 2 |" in text
 
 
+def test_optimizer_bench_arms_share_one_table_with_their_floors_and_compile_time(tmp_path):
+    # perf/bench_optimizer.py --bank-update eager compiled: one row per bank and arm; only the compiled arm
+    # has compile_s, so the eager rows show a dash there; the floors stay beside their figures.
+    rows = [
+        {"bank": "qk_bank", "bank_update": "eager", "step_ms": 1.76, "step_ms_floor": 0.15, "vs_eager": 1.0},
+        {
+            "bank": "qk_bank",
+            "bank_update": "compiled",
+            "compile_s": 41.5,
+            "step_ms": 0.88,
+            "step_ms_floor": 0.15,
+            "vs_eager": 2.0,
+        },
+    ]
+    write(tmp_path / "results", "optimizer", bench_payload(rows=rows, bank_update=["eager", "compiled"]))
+    text = render_dir(tmp_path)
+    assert "| bank | bank_update | step_ms | step_ms (floor) | vs_eager | compile_s |" in text
+    assert "| qk_bank | eager | 1.76 | 0.15 | 1.00 | - |" in text
+    assert "| qk_bank | compiled | 0.88 | 0.15 | 2.00 | 41.50 |" in text
+    assert "- bank_update: eager, compiled" in text
+
+
 def test_sections_follow_file_names_and_use_the_title(tmp_path):
     write(tmp_path / "results", "b_second", bench_payload(rows=[], title="Second"))
     write(tmp_path / "results", "a_first", bench_payload(rows=[]))

@@ -150,3 +150,22 @@ def test_embedding_splits_in_model_and_optimizer_at_the_planned_step_only(record
     )
     assert "tied_to" not in t.model.param_table()["embed"] and not t.opt.tied
     assert bool(t.model.embed_is_split)
+
+
+@pytest.mark.parametrize("bank_update", ["eager", "compiled"])
+def test_the_bank_update_switch_reaches_every_bank_of_the_trainers_optimizer(
+    tmp_path, monkeypatch, bank_update
+):
+    # optim.bank_update from the command line to the function each bank's update() calls. aot_eager: the
+    # graph without Inductor's compile time; one step shows the compiled update runs inside the trainer.
+    from track_1_short.optim.anvil_bank import bank_update_
+    from track_1_short.perf import bank_compile
+
+    monkeypatch.setattr(bank_compile, "COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    t = build(short_cfg(str(tmp_path), "checkpoint.every=0", f"optim.bank_update={bank_update}"))
+    assert t.cfg.optim.bank_update == bank_update
+    fns = {label: bank.update_fn for label, bank in t.opt.banks.items()}
+    assert fns and all((fn is bank_update_) == (bank_update == "eager") for fn in fns.values()), fns
+    t.train_step(0)
+    torch._dynamo.reset()

@@ -30,3 +30,37 @@ def test_bench_runs_small_on_the_cpu_and_writes_rows_with_floors(tmp_path, capsy
     expected = sum(cascade_flops(*reshape) for _, reshape, _ in bench.SMALL_BANKS.values())
     assert abs(rows[-1]["cascade_gflop"] - expected / 1e9) < 1e-9
     assert "cascade" in capsys.readouterr().out
+
+
+def test_both_bank_update_arms_are_measured_in_one_run_and_rendered(tmp_path, monkeypatch):
+    # Each arm builds the optimizer with its optim.bank_update and times that optimizer's own update(): the
+    # compiled arm's banks hold the compiled callable. aot_eager: the same graphs without Inductor's compile
+    # time (the GPU run uses Inductor).
+    import torch
+
+    from tests.perf_scripts import load_perf_script as load
+    from track_1_short.optim.anvil_bank import bank_update_
+    from track_1_short.perf import bank_compile
+
+    monkeypatch.setattr(bank_compile, "COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    bench = load_bench()
+    _, opt, _ = bench.build(bench.SMALL_BANKS, torch.device("cpu"), "compiled")
+    assert all(b.update_fn is not bank_update_ for b in opt.banks.values())
+    out = tmp_path / "optimizer.json"
+    args = ["--device", "cpu", "--steps", "1", "--warmup", "0", "--matmul-size", "128"]
+    assert bench.main([*args, "--bank-update", "eager", "compiled", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["bank_update"] == ["eager", "compiled"]
+    rows = payload["rows"]
+    per_arm = len(bench.SMALL_BANKS) + 1
+    assert [r["bank_update"] for r in rows] == ["eager"] * per_arm + ["compiled"] * per_arm
+    for eager, compiled in zip(rows[:per_arm], rows[per_arm:], strict=True):
+        assert eager["bank"] == compiled["bank"] and eager["vs_eager"] == 1.0
+        assert abs(compiled["vs_eager"] - eager["step_ms"] / compiled["step_ms"]) < 1e-12
+        assert "compile_s" not in eager
+    assert all(r["compile_s"] > 0 for r in rows[per_arm:-1])  # each bank's first update, timed apart
+    text = "\n".join(load("results").render_section("perf/results/optimizer.json", payload))
+    assert "| bank | bank_update | matrices |" in text and "compile_s" in text and "vs_eager" in text
+    assert text.count("| compiled |") == per_arm
+    torch._dynamo.reset()

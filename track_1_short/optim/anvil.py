@@ -73,6 +73,7 @@ STATE_FORMAT = "anvil_adam/1"
 
 REPLICATED_IMPLS = ("fused", "device", "reference")
 SCALAR_UPLOADS = ("batched", "per_bank")
+BANK_UPDATES = ("eager", "compiled")
 
 
 @dataclass
@@ -113,6 +114,12 @@ class OptimConfig:
     track_1_short/perf/bank_scalars.py) or "per_bank" (each bank its own pageable copy, which the host waits
     for). Both give the same parameters (bitwise, tested on CUDA); "batched" keeps the host from waiting on
     the GPU in set_schedule."""
+    bank_update: str = "eager"
+    """How each ANVIL bank's update (rails, cascade, lane equaliser, master step) runs: "eager" (op by op,
+    about a hundred small kernels a bank) or "compiled" (one torch.compile graph a bank, made on its first
+    step and replayed: track_1_short/perf/bank_compile.py). The same operations in the same order; compiled
+    through Inductor they agree within fp32 rounding (tests/optim/test_anvil_bank_compiled.py). Eager until
+    the H200 measurement (perf/bench_optimizer.py --bank-update eager compiled) picks the default."""
     adam_every: int = 2
     """Adam updates on steps with step % adam_every == adam_every - 1 (upstream: odd steps)."""
     value_embed_period4_start: int = 336
@@ -151,6 +158,8 @@ def validate_optim_config(cfg) -> None:
         )
     if cfg.scalar_upload not in SCALAR_UPLOADS:
         raise ValueError(f"optim.scalar_upload={cfg.scalar_upload!r} must be one of {list(SCALAR_UPLOADS)}.")
+    if cfg.bank_update not in BANK_UPDATES:
+        raise ValueError(f"optim.bank_update={cfg.bank_update!r} must be one of {list(BANK_UPDATES)}.")
     if cfg.adam_every < 1:
         raise ValueError(f"optim.adam_every={cfg.adam_every} must be >= 1 (1 = Adam on every step).")
     if cfg.rail_engage_step < 0:
@@ -235,6 +244,11 @@ class AnvilAndAdam:
 
             sizes = {label: scalars_size(shards.chunk) for label, shards in bank_shards.items()}
             self._bank_staging = BankScalarStaging(sizes, self.device)
+        update_fn = None  # eager: AnvilBank's own bank_update_
+        if bank_shards and cfg.bank_update == "compiled":
+            from track_1_short.perf.bank_compile import compiled_bank_update
+
+            update_fn = compiled_bank_update()  # one callable, one graph per bank on its first step
         for label, shards in bank_shards.items():
             c = self.param_cfgs[label]
             self.banks[label] = AnvilBank(
@@ -245,6 +259,7 @@ class AnvilAndAdam:
                 slow_beta=cfg.slow_rail_beta,
                 margin=cfg.frobenius_margin,
                 scalars=None if self._bank_staging is None else self._bank_staging.view(label),
+                update_fn=update_fn,
             )
         self._fused = None
         if self.replicated_labels and cfg.replicated_impl in ("fused", "device"):

@@ -32,6 +32,8 @@ Provenance: upstream record #360 ("ANVIL2"): ``anvil_bank_update``, ``_rail_equa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from track_1_short.optim.polar_express import orthogonalize
@@ -115,6 +117,34 @@ def sign_gated_step_(
     mantissa.copy_(low)
 
 
+def bank_update_(
+    grad: torch.Tensor,
+    weight: torch.Tensor,
+    velocity: torch.Tensor,
+    lane_energy: torch.Tensor,
+    mantissa: torch.Tensor,
+    scalars: torch.Tensor,
+    *,
+    beta2: float,
+    slow_beta: float,
+    margin: float,
+    red_dim: int,
+) -> None:
+    """One ANVIL step of a chunk (steps 1-4 of the module docstring), in place on ``weight``, ``velocity``,
+    ``lane_energy`` and ``mantissa`` (the roles of :class:`AnvilBank`).
+
+    Everything that changes between steps is read from the device tensor ``scalars``; the keyword arguments
+    are fixed for a bank's life. So a compiled graph of this function (:mod:`track_1_short.perf.bank_compile`)
+    is made once per bank and replayed every step, and reads no host value."""
+    momentum, eff_wd, fast_beta, fast_weight = scalars[:_N_SCALARS].unbind()
+    eff_lr = scalars[_N_SCALARS:].view(-1, 1, 1)
+    g = grad.float()
+    u = twin_rails_(velocity, g, momentum, fast_beta, fast_weight, slow_beta)
+    v = orthogonalize(u.bfloat16(), margin).float()
+    equalise_lanes_(v, lane_energy, beta2, red_dim)
+    sign_gated_step_(weight, mantissa, v, velocity[1], eff_lr, eff_wd)
+
+
 class AnvilBank:
     """The persistent tensors of one bank's ANVIL update on this rank: all allocated once, never rebound.
 
@@ -123,6 +153,8 @@ class AnvilBank:
     cols]; ``lane_energy`` fp32 [chunk, rows, 1] (rows >= cols) or [chunk, 1, cols]; ``mantissa`` uint16
     [chunk, rows, cols]; ``scalars`` fp32 [4 + chunk]: momentum, eff_wd, fast_beta, fast_weight, eff_lr per
     matrix (its own tensor, or the given ``scalars``: a slice of a buffer shared by every bank).
+    ``update_fn``: what :meth:`update` calls, :func:`bank_update_` (eager) unless given its compiled graph
+    (:func:`track_1_short.perf.bank_compile.compiled_bank_update`).
     """
 
     def __init__(
@@ -134,6 +166,7 @@ class AnvilBank:
         slow_beta: float,
         margin: float,
         scalars: torch.Tensor | None = None,
+        update_fn: Callable[..., None] | None = None,
     ):
         chunk, rows, cols = grad.shape
         size = scalars_size(chunk)
@@ -160,6 +193,10 @@ class AnvilBank:
         self.scalars = scalars
         self.momentum, self.eff_wd, self.fast_beta, self.fast_weight = self.scalars[:_N_SCALARS].unbind()
         self.eff_lr = self.scalars[_N_SCALARS:].view(chunk, 1, 1)
+        self.constants = dict(
+            beta2=self.beta2, slow_beta=self.slow_beta, margin=self.margin, red_dim=self.red_dim
+        )
+        self.update_fn = bank_update_ if update_fn is None else update_fn
 
     def stage(
         self, momentum: float, eff_wd: float, fast_beta: float, fast_weight: float, eff_lr: list[float]
@@ -170,12 +207,17 @@ class AnvilBank:
         self.scalars.copy_(host, non_blocking=False)
 
     def update(self) -> None:
-        """One ANVIL step of this chunk from ``grad`` (steps 1-4 of the module docstring)."""
-        g = self.grad.float()
-        u = twin_rails_(self.velocity, g, self.momentum, self.fast_beta, self.fast_weight, self.slow_beta)
-        v = orthogonalize(u.bfloat16(), self.margin).float()
-        equalise_lanes_(v, self.lane_energy, self.beta2, self.red_dim)
-        sign_gated_step_(self.weight, self.mantissa, v, self.velocity[1], self.eff_lr, self.eff_wd)
+        """One ANVIL step of this chunk from ``grad`` (steps 1-4 of the module docstring):
+        :func:`bank_update_` eagerly, or its compiled graph given as ``update_fn`` (the same operands)."""
+        self.update_fn(
+            self.grad,
+            self.weight,
+            self.velocity,
+            self.lane_energy,
+            self.mantissa,
+            self.scalars,
+            **self.constants,
+        )
 
     def reset(self) -> None:
         """Zero the rails, lane energies and mantissas in place (a zero mantissa: master = bf16 weight)."""
