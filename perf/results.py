@@ -4,8 +4,10 @@
     python perf/results.py --check    # exit 1 if perf/RESULTS.md differs from what the JSON files give
 
 One section per JSON file (sorted by name), each with the date, device, torch and triton versions and the
-exact command that produced it (run from the repository root), then one table of the file's rows. A row key
-``<name>_floor`` is the floor of ``<name>`` (what the hardware allows) and is printed in the column beside it.
+exact command that produced it (run from the repository root), then one table of the file's rows and one
+more under its title for each entry of an optional ``tables`` (perf/scaling.py: its runs, peak memory per
+rank). A row key ``<name>_floor`` is the floor of ``<name>`` (what the hardware allows) and is printed in the
+column beside it.
 The file format is defined by track_1_short/perf/bench_meta.py; a file without its keys is refused, naming the
 file, before anything is written. The output depends only on the JSON files, so it is reproducible.
 """
@@ -113,11 +115,14 @@ def render_section(file: str, payload: dict) -> list[str]:
         lines.append(f"- Commit: {payload['git_commit']}")
     lines.append(f"- Command: `{payload['command']}`")
     for key, value in payload.items():
-        if key in HEADER_KEYS or key in ("rows", "notes"):
+        if key in HEADER_KEYS or key in ("rows", "notes", "tables"):
             continue
         lines.append(f"- {key}: {format_value(value)}")
     lines.append("")
     lines.extend(render_table(payload["rows"]))
+    for title, rows in payload.get("tables", {}).items():
+        lines += ["", f"{title}:", ""]
+        lines.extend(render_table(rows))
     notes = payload.get("notes", [])
     if notes:
         lines.append("")

@@ -8,6 +8,8 @@ first logged interval that crosses a stage boundary is left out: it mixes two ge
 FLOPs per token x tokens/s / the bf16 matmul rate given by --matmul-tflops (the run does not measure it).
 FLOPs per token come from the model's ``flops_per_token`` at the stage's document cap and windows: an upper
 bound, since shorter documents have less attention to do (attention is 1-3% of the FLOPs at these windows).
+``optimizer_pct`` is rank 0's optimizer time over the same intervals (``optimizer_ms`` of the train events,
+see track_1_short/optimizer_time.py), as a share of the train time; None for a run logged without it.
 The run's phases (data, build, warmup), graph counts, peak memory, the loss curve and the final val loss
 against the corpus floor go into the header and notes.
 """
@@ -34,11 +36,15 @@ def stage_rows(events: list[dict], sched, model_cfg, matmul_tflops: float) -> li
     for i, stage in enumerate(sched.stages):
         lo, hi = starts[i], starts[i + 1]
         prev = None
-        tokens = ms = 0.0
+        tokens = ms = opt_ms = 0.0
+        timed_opt = True  # every interval of the stage carries the optimizer's time (runs before it did not)
         for e in train:
             if prev is not None and lo <= prev["step"] and e["step"] <= hi:
                 tokens += e["tokens_seen"] - prev["tokens_seen"]
                 ms += e["train_time_ms"] - prev["train_time_ms"]
+                # optimizer_ms covers the steps since the previous train event: the same interval
+                timed_opt = timed_opt and "optimizer_ms" in e
+                opt_ms += e.get("optimizer_ms", 0.0)
             prev = e
         if ms <= 0:
             continue
@@ -57,6 +63,7 @@ def stage_rows(events: list[dict], sched, model_cfg, matmul_tflops: float) -> li
                 "tokens_per_s": tokens_per_s,
                 "mfu_pct": 100 * fpt * tokens_per_s / (matmul_tflops * 1e12),
                 "flops_per_token": fpt,
+                "optimizer_pct": 100 * opt_ms / ms if timed_opt else None,
             }
         )
     return rows

@@ -1,8 +1,11 @@
-"""Run a function on N gloo ranks in fresh processes and collect what each returns.
+"""Run a function on N ranks in fresh processes and collect what each returns: gloo ranks on the CPU, or
+(``device="cuda"``) NCCL ranks, one GPU each.
 
 Workers must be importable module-level functions (spawned children unpickle them by name), called as
 ``fn(rank, world_size, *args)``. They run with the project's process group already initialised through
 ``track_1_short.distributed.init`` and return picklable values (tensors are moved to the CPU by the caller).
+A CUDA rank computes on GPU ``rank`` (LOCAL_RANK, as torchrun sets it) and runs Triton kernels compiled, not
+interpreted.
 """
 
 from __future__ import annotations
@@ -16,8 +19,13 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _child(fn, rank, world_size, init_file, args, queue):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+def _child(fn, rank, world_size, init_file, args, queue, device):
+    if device == "cuda":
+        # distributed.init picks the GPU from it; Triton stays compiled (tests/conftest.py sets
+        # TRITON_INTERPRET only without CUDA, and the children inherit the parent's environment).
+        os.environ["LOCAL_RANK"] = str(rank)
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     # One thread a rank: two ranks on a 2-core machine must not oversubscribe it.
     import torch
 
@@ -25,7 +33,7 @@ def _child(fn, rank, world_size, init_file, args, queue):
     from track_1_short import distributed
 
     try:
-        distributed.init("cpu", rank=rank, world_size=world_size, init_method=f"file://{init_file}")
+        distributed.init(device, rank=rank, world_size=world_size, init_method=f"file://{init_file}")
         result = fn(rank, world_size, *args)
         # Serialised to bytes: a tensor put on the queue as-is travels through shared memory, which this child
         # may tear down (by exiting) before the parent has opened it.
@@ -38,14 +46,20 @@ def _child(fn, rank, world_size, init_file, args, queue):
         distributed.destroy()
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
+def run_ranks(fn, world_size: int, *args, device: str = "cpu", timeout_s: float = 300.0) -> list:
     """Return ``[fn(0, W, *args), ..., fn(W-1, W, *args)]``, each computed in its own process."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"run_ranks(device={device!r}): 'cpu' (gloo) or 'cuda' (NCCL, one GPU a rank).")
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise RuntimeError(
+            f"run_ranks: {world_size} NCCL ranks need {world_size} GPUs, {torch.cuda.device_count()} visible."
+        )
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_child, args=(fn, r, world_size, init_file, args, queue))
+            ctx.Process(target=_child, args=(fn, r, world_size, init_file, args, queue, device))
             for r in range(world_size)
         ]
         for p in procs:

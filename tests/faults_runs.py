@@ -31,8 +31,9 @@ BATCH = 512  # global tokens per step; one rank runs 2 microbatches of 256, two 
 MICRO = f"micro_batch_tokens={BATCH // 2}"
 
 
-def short_cfg(runs_root: str, *overrides: str):
-    """The default run cut to 6 steps of 512 tokens and a 512-token validation, on a small vocabulary."""
+def short_cfg(runs_root: str, *overrides: str, batch: int = BATCH):
+    """The default run cut to 6 steps of ``batch`` (512) tokens and a 512-token validation, on a small
+    vocabulary (tests/test_gpu_multi.py scales the batch with the number of GPUs)."""
     base = [
         f"runs_root={runs_root}",
         "progress_bar=false",
@@ -53,7 +54,7 @@ def short_cfg(runs_root: str, *overrides: str):
     with initialize_config_dir(str(CONFIGS), version_base=None):
         cfg = compose("train", overrides=[*base, *overrides])
     first, last = (OmegaConf.to_container(cfg.schedule.stages[i]) for i in (0, -1))
-    common = {"batch_tokens": BATCH, "mtp_weights": [1.0], "mtp_weights_end": [], "extension": False}
+    common = {"batch_tokens": batch, "mtp_weights": [1.0], "mtp_weights_end": [], "extension": False}
     cfg.schedule.stages = [
         StageConfig(**{**first, **common, "steps": STEPS[0]}),
         StageConfig(**{**last, **common, "steps": STEPS[1]}),

@@ -118,6 +118,21 @@ def test_notes_and_extra_facts_are_listed(tmp_path):
     assert "- the GPU idles 20%" in text and "- matmul_tflops: 712.5" in text
 
 
+def test_extra_tables_follow_the_rows_under_their_titles_and_are_not_facts(tmp_path):
+    tables = {"runs": [{"nproc": 1, "status": "finished"}], "peak memory per rank": [{"rank": 1, "mib": 7}]}
+    write(tmp_path / "results", "fake", bench_payload(rows=[{"a": 1}], tables=tables, notes=["n"]))
+    text = render_dir(tmp_path)
+    body = text[text.index("| a |") :]
+    assert body.index("runs:") < body.index("| nproc | status |") < body.index("| 1 | finished |")
+    assert body.index("| 1 | finished |") < body.index("peak memory per rank:") < body.index("| rank | mib |")
+    assert "| 1 | 7 |" in body and "- tables:" not in text
+
+
+def test_tables_that_are_not_lists_of_rows_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="fake.json: 'tables' must map a title to a list of objects"):
+        write(tmp_path, "fake", bench_payload(rows=[], tables={"runs": {"nproc": 1}}))
+
+
 @pytest.mark.parametrize(
     ("value", "cell"),
     [(None, "-"), (True, "yes"), (1234567.8, "1,234,568"), (123.456, "123.5"), (1.23456, "1.23"),

@@ -68,3 +68,21 @@ def test_the_runs_own_summary_supplies_the_reference_lines(tmp_path):
     out = summary.summarize(tmp_path, "cmd", "d", 100.0, None)
     assert out["notes"][-1] == "final val loss 1.5000 against corpus entropy floor (perfect model) 0.9154"
     assert out["tokens_per_s_overall"] == 1e4
+
+
+def test_optimizer_share_is_its_time_over_the_same_intervals_and_absent_for_runs_without_it(tmp_path):
+    # Stage 0: interval 2-4 (40 ms, 10 of them optimizer); stage 1: 4-6 and 6-8 (80 ms, 6 + 14 optimizer).
+    # The first event's optimizer_ms (its interval has no earlier event) is left out with its interval.
+    steps = [(2, 200, 20.0, 99.0), (4, 400, 60.0, 10.0), (6, 1000, 100.0, 6.0), (8, 1600, 140.0, 14.0)]
+    events = [
+        {"step": s, "tokens_seen": t, "train_time_ms": ms, "loss": 1.0, "optimizer_ms": o}
+        for s, t, ms, o in steps
+    ]
+    write_run(tmp_path, events)
+    rows = {r["stage"]: r for r in summary.summarize(tmp_path, "cmd", "d", 100.0, None)["rows"]}
+    assert rows[0]["optimizer_pct"] == pytest.approx(100 * 10 / 40)
+    assert rows[1]["optimizer_pct"] == pytest.approx(100 * 20 / 80)
+    del events[2]["optimizer_ms"]  # a run logged before the trainer timed its optimizer
+    write_run(tmp_path, events)
+    rows = {r["stage"]: r for r in summary.summarize(tmp_path, "cmd", "d", 100.0, None)["rows"]}
+    assert rows[0]["optimizer_pct"] == pytest.approx(25.0) and rows[1]["optimizer_pct"] is None

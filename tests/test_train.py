@@ -95,6 +95,12 @@ def test_run_directory_follows_the_contract_and_parses_with_the_record_gate(one_
         assert run.final_loss == pytest.approx(one_process.val_loss, abs=5e-5)  # the text line has 4 decimals
     events = run_log.read_events(d)
     assert [e["step"] for e in events if e["event"] == "train"] == list(range(1, n + 1))
+    # Every train event carries the optimizer's time over the steps since the previous one: part of the
+    # train time of that interval, never all of it (the forwards and backwards are outside it).
+    prev_ms = 0.0
+    for e in (e for e in events if e["event"] == "train"):
+        assert 0 < e["optimizer_ms"] < e["train_time_ms"] - prev_ms, e
+        prev_ms = e["train_time_ms"]
     assert OmegaConf.load(d / "config.yaml").schedule.stages[0].steps == STEPS[0]
 
 

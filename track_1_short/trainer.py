@@ -36,6 +36,7 @@ from track_1_short import checkpoint, compile_watch, distributed, preflight, run
 from track_1_short.checkpoint import CheckpointError, NonFiniteError
 from track_1_short.config import ConfigError, TrainConfig, accumulation_steps, check_run, to_object
 from track_1_short.guards import Guards
+from track_1_short.optimizer_time import OptimizerTime
 from track_1_short.perf.frozen_gc import freeze_gc, restore_gc
 from track_1_short.run_log import RunLog, environment
 
@@ -202,6 +203,7 @@ class Trainer:
         n_params = sum(p.numel() for p in self.model.parameters())
         self.phases.finished("build", model_s, parameters=f"{n_params:,}", compiled=self.compiled)
         self.graphs_after_warmup: int | None = None
+        self.opt_time = OptimizerTime(device)  # the optimizer's share of the timed loop (train events)
         self.guards = Guards(
             cfg.guards,
             cfg.fault_injection,
@@ -324,7 +326,9 @@ class Trainer:
                 marks("backward")
             loss_sum += loss.detach().float()
         if self.guards.grads_ok(step):  # NaN/inf gradient: stop, or skip the update on every rank
+            self.opt_time.start()
             self.opt.step(plan.do_adam)
+            self.opt_time.stop()
             self.guards.after_update(step)  # replicas compared every guards.checksum_every steps
         self.tokens_seen += plan.batch_tokens
         return loss_sum / (micro * accum)
@@ -441,6 +445,7 @@ class Trainer:
             if cfg.gc_freeze:  # before the clock: the collection is not timed, no collector pause is
                 gc_state = freeze_gc()
             _sync(self.device)
+            self.opt_time.reset()  # the warmup's steps are not the timed loop's
             t0 = time.perf_counter()
             while self.step < n:
                 pending.append((self.step, self.train_step(self.step)))
@@ -465,6 +470,7 @@ class Trainer:
                         train_time_ms=elapsed,
                         step_avg_ms=elapsed / done,
                         progress_line=done % cfg.log_every == 0 or done >= n - 1,
+                        optimizer_ms=self.opt_time.take_ms(),  # after the read-back's sync: no wait
                         **self._memory(),
                     )
                     wall = now - t_start
@@ -502,6 +508,7 @@ class Trainer:
                 train_time_ms=self.train_time_ms,
                 **self._compile_stats(),
                 **self._memory(),
+                **self._memory_per_rank(),
             )
             stats = self._compile_stats()
             if stats:
@@ -538,6 +545,14 @@ class Trainer:
         if self.device.type != "cuda":
             return {}
         return {"peak_memory_mib": torch.cuda.max_memory_allocated(self.device) // (1 << 20)}
+
+    def _memory_per_rank(self) -> dict:
+        """Every rank's peak, gathered once at the end of a finished run (rank 0 alone writes the log, and
+        ranks differ: the sharded optimizer's padding and the loader's buffers are not the same on each)."""
+        if self.device.type != "cuda":
+            return {}
+        peaks = distributed.all_gather_object(self._memory()["peak_memory_mib"])
+        return {"peak_memory_mib_per_rank": [int(m) for m in peaks]}
 
 
 def corpus_facts(paths: dict) -> dict:

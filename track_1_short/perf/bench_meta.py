@@ -9,7 +9,8 @@ perf/RESULTS.md and refuses them on the same terms.
 Row convention, read by perf/results.py: ``rows`` is a list of flat dicts (one per measured configuration,
 keys in display order); a key ``<name>_floor`` beside ``<name>`` is the floor for that figure (what the
 hardware allows, e.g. the time of the step's FLOPs at the measured matmul rate) and is printed next to it.
-An optional top-level ``notes`` (list of str) is printed under the table, other top-level keys as facts.
+An optional top-level ``notes`` (list of str) is printed under the table, an optional ``tables`` (title ->
+list of rows, the same convention) as more tables after it, other top-level keys as facts.
 """
 
 from __future__ import annotations
@@ -111,6 +112,11 @@ def check_bench_payload(payload: object, source: str) -> None:
     rows = payload["rows"]
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"{source}: 'rows' must be a list of objects (one per measured configuration).")
+    tables = payload.get("tables", {})
+    if not isinstance(tables, dict) or not all(
+        isinstance(rows, list) and all(isinstance(r, dict) for r in rows) for rows in tables.values()
+    ):
+        raise ValueError(f"{source}: 'tables' must map a title to a list of objects (rows).")
     notes = payload.get("notes", [])
     if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
         raise ValueError(f"{source}: 'notes' must be a list of strings.")
