@@ -7,18 +7,20 @@
 #         replicated_adam perf/bench_replicated_adam.py -> perf/results/replicated_adam.json
 #         optimizer       perf/bench_optimizer.py       -> perf/results/optimizer.json
 #         train_step      perf/bench_train_step.py      -> perf/results/train_step.json
+#         scaling         perf/scaling.py (the preset through torchrun on 1 and all GPUs; skipped on one GPU)
+#                                                       -> perf/results/scaling.json
 #         results         perf/results.py               -> perf/RESULTS.md (from every JSON in perf/results/)
 # The image has torch, triton, numpy, scipy, matplotlib, tqdm and pytest, not hydra-core, omegaconf or
 # antlr4: their wheels travel in .whl/ and are installed into .site/; nothing else is installed.
 # A failing stage is reported loudly and the later stages still run (GPU time is scarce); the script then
 # exits 1 naming the failed stages. With $OUT set, the logs grow there and each stage's JSON (and RESULTS.md)
 # is copied there when the stage ends, so a run cut short still hands back what it did. Flat names, at most
-# 9 files: pytest_gpu.log, bench.log, record_1gpu_log.txt, record_1gpu_events.jsonl, record_1gpu.json,
-# replicated_adam.json, optimizer.json, train_step.json, RESULTS.md.
+# 10 files: pytest_gpu.log, bench.log, record_1gpu_log.txt, record_1gpu_events.jsonl, record_1gpu.json,
+# replicated_adam.json, optimizer.json, train_step.json, scaling.json, RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-all_stages=(preset tests replicated_adam optimizer train_step results)
+all_stages=(preset tests replicated_adam optimizer train_step scaling results)
 stages=("$@")
 [[ ${#stages[@]} -gt 0 ]] || stages=("${all_stages[@]}")
 for s in "${stages[@]}"; do
@@ -123,6 +125,17 @@ preset() {  # the one-GPU record preset through the trainer, then its figures (p
   hand_back perf/results/record_1gpu.json
 }
 
+scaling() {  # only with several GPUs: on one, its K = 1 run is the preset stage's
+  local n
+  n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  if [[ $n -lt 2 ]]; then
+    echo "scaling: $n GPU visible; it needs 2 or more (nothing to compare the one-GPU run with)" | tee -a "$log"
+    return 0
+  fi
+  python3 perf/scaling.py --out perf/results/scaling.json 2>&1 | tee -a "$log" || return
+  hand_back perf/results/scaling.json
+}
+
 results_md() {
   python3 perf/results.py 2>&1 | tee -a "$log" || return
   hand_back perf/RESULTS.md
@@ -132,6 +145,7 @@ for s in "${stages[@]}"; do
   case $s in
     preset) run_stage preset preset ;;
     tests) run_stage tests gpu_tests ;;
+    scaling) run_stage scaling scaling ;;
     results) run_stage results results_md ;;
     *) run_stage "$s" bench "$s" ;;
   esac
