@@ -221,18 +221,21 @@ def cycle_mean(per_step: list[float], adam: list[bool], adam_every: int) -> floa
 
 
 def recording_boundaries(next_batch, seen: list[torch.Tensor]):
-    """``next_batch`` that also appends a copy of each batch's ``cu_seqlens`` to ``seen``.
-
-    A copy (on the device, no sync): a CUDA loader refills its pinned and device buffers for the next
-    batches, so the tensor itself would hold a later batch's boundaries by the time it is read.
-    """
+    """``next_batch`` that also appends each batch's ``cu_seqlens`` to ``seen`` (read after the timing)."""
 
     def recording_next_batch(*a, **k):
         batch = next_batch(*a, **k)
-        seen.append(batch.cu_seqlens.clone())
+        seen.append(batch.cu_seqlens)
         return batch
 
     return recording_next_batch
+
+
+def joined_boundaries(seen: list[torch.Tensor]) -> torch.Tensor:
+    """The boundaries of several packed batches as those of one batch holding them all, on the CPU: the
+    documents of every batch in order, each with its own length."""
+    lengths = torch.cat([c.cpu().long().diff() for c in seen])
+    return torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
 
 
 def measure_stage(trainer, stage: int, warmup: int, steps: int, matmul_rate: float, profile: bool) -> dict:
@@ -294,9 +297,8 @@ def measure_stage(trainer, stage: int, warmup: int, steps: int, matmul_rate: flo
 
     phases = step_times(timer.labels, timer.elapsed_ms(), steps)
     adam = [schedule.do_adam(s, adam_every) for s in range(timed_first, timed_first + steps)]
-    fpt = batch_flops_per_token(
-        flops_per_token, cfg.model, torch.cat([c.cpu().diff() for c in seen]), plan.windows
-    )
+    timed_batches = joined_boundaries(seen)
+    fpt = batch_flops_per_token(flops_per_token, cfg.model, timed_batches, plan.windows)
     # At length 1 a query sees only itself: what is left is the FLOPs outside attention (to 1e-4).
     attention_pct = 100 * (1 - float(flops_per_token(cfg.model, 1, list(plan.windows))) / fpt)
     ms_per_step = cycle_mean([sum(p) for p in phases], adam, adam_every)
@@ -306,7 +308,7 @@ def measure_stage(trainer, stage: int, warmup: int, steps: int, matmul_rate: flo
         "stage": stage,
         "tokens": tokens,
         "micro_batches": accum,
-        "docs_per_step": len(torch.cat([c.cpu().diff() for c in seen])) / steps,
+        "docs_per_step": (timed_batches.numel() - 1) / steps,
         "windows": list(plan.windows),
         "compiled": trainer.compiled,
         "ms_per_step": ms_per_step,

@@ -1,6 +1,7 @@
 """The parts of perf/bench_train_step.py that decide its figures: shapes, data, timing, kernel classes."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,22 +30,16 @@ def test_batch_flops_weigh_each_document_by_its_tokens():
     assert calls == [(10, [1, 3]), (30, [1, 3]), (60, [1, 3])]
 
 
-def test_recorded_boundaries_survive_a_loader_that_refills_its_buffer():
-    # As the CUDA loader does: every batch is written into the same cu_seqlens buffer.
-    from types import SimpleNamespace
-
-    buffer = torch.zeros(3, dtype=torch.int32)
-    batches = iter([[0, 5, 9], [0, 2, 9], [0, 7, 9]])
-
-    def next_batch():
-        buffer.copy_(torch.tensor(next(batches), dtype=torch.int32))
-        return SimpleNamespace(cu_seqlens=buffer)
-
+def test_the_timed_batches_count_as_one_batch_of_all_their_documents():
     seen = []
-    record = bench.recording_boundaries(next_batch, seen)
-    for _ in range(3):
-        record()
-    assert [c.tolist() for c in seen] == [[0, 5, 9], [0, 2, 9], [0, 7, 9]]
+    batches = iter([torch.tensor([0, 5, 9], dtype=torch.int32), torch.tensor([0, 2, 9], dtype=torch.int32)])
+    record = bench.recording_boundaries(lambda: SimpleNamespace(cu_seqlens=next(batches)), seen)
+    record(), record()
+    joined = bench.joined_boundaries(seen)
+    assert joined.tolist() == [0, 5, 9, 11, 18]  # lengths 5, 4, 2, 7
+    # The FLOPs of the joined batch weigh each of the four documents by its own length.
+    fpt = bench.batch_flops_per_token(lambda cfg, n, w: 100.0 + n, None, joined, (1, 3))
+    assert fpt == pytest.approx((105 * 5 + 104 * 4 + 102 * 2 + 107 * 7) / 18)
 
 
 def test_step_times_run_from_each_start_to_the_next_and_add_up_microbatches():

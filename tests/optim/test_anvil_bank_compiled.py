@@ -202,5 +202,7 @@ def test_on_cuda_the_compiled_optimizer_step_makes_no_graph_after_its_first():
     start = graphs_made()
     made = []
     train(named, opt, range(STEPS), on_step=lambda s: made.append(graphs_made() - start))
-    assert made == [len(opt.banks)] * STEPS, made
+    # Graphs come on the first step (one per distinct bank shape and constants, at most one per bank) and
+    # never after: the step's changing scalars reach the graphs as tensors.
+    assert 1 <= made[0] <= len(opt.banks) and made == [made[0]] * STEPS, made
     torch._dynamo.reset()

@@ -118,8 +118,9 @@ class OptimConfig:
     """How each ANVIL bank's update (rails, cascade, lane equaliser, master step) runs: "eager" (op by op,
     about a hundred small kernels a bank) or "compiled" (one torch.compile graph a bank, made on its first
     step and replayed: track_1_short/perf/bank_compile.py). The same operations in the same order; compiled
-    through Inductor they agree within fp32 rounding (tests/optim/test_anvil_bank_compiled.py). Eager until
-    the H200 measurement (perf/bench_optimizer.py --bank-update eager compiled) picks the default."""
+    through Inductor they agree within fp32 rounding on the CPU (tests/optim/test_anvil_bank_compiled.py).
+    On an H200 compiled takes the track-1 banks' step from 8.78 to 4.76 ms (perf/RESULTS.md); it stays
+    opt-in until its CUDA agreement tests pass (two failed on their first H200 run)."""
     adam_every: int = 2
     """Adam updates on steps with step % adam_every == adam_every - 1 (upstream: odd steps)."""
     value_embed_period4_start: int = 336
