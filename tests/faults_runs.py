@@ -31,6 +31,19 @@ BATCH = 512  # global tokens per step; one rank runs 2 microbatches of 256, two 
 MICRO = f"micro_batch_tokens={BATCH // 2}"
 
 
+# A 1,024-token vocabulary (its own small synthetic corpus, built once): checkpoints of ~30 MB instead of
+# ~350 MB (the embeddings and their moments dominate), and a 20x cheaper softmax.
+SMALL_VOCAB = (
+    "model.vocab_size=1024",
+    "data.vocab_size=1024",
+    "data.bos_id=1023",
+    "data.synthetic.n_words=512",
+    "data.synthetic.train_tokens=65536",
+    "data.synthetic.shard_tokens=65536",
+    "data.synthetic.val_tokens=4096",
+)
+
+
 def short_cfg(runs_root: str, *overrides: str, batch: int = BATCH):
     """The default run cut to 6 steps of ``batch`` (512) tokens and a 512-token validation, on a small
     vocabulary (tests/test_gpu_multi.py scales the batch with the number of GPUs)."""
@@ -41,15 +54,7 @@ def short_cfg(runs_root: str, *overrides: str, batch: int = BATCH):
         "data.val_batch_tokens=512",
         f"schedule.split_embed_step={SPLIT_STEP}",
         MICRO,
-        # A 1,024-token vocabulary (its own small synthetic corpus, built once): checkpoints of ~30 MB instead
-        # of ~350 MB (the embeddings and their moments dominate), and a 20x cheaper softmax.
-        "model.vocab_size=1024",
-        "data.vocab_size=1024",
-        "data.bos_id=1023",
-        "data.synthetic.n_words=512",
-        "data.synthetic.train_tokens=65536",
-        "data.synthetic.shard_tokens=65536",
-        "data.synthetic.val_tokens=4096",
+        *SMALL_VOCAB,
     ]
     with initialize_config_dir(str(CONFIGS), version_base=None):
         cfg = compose("train", overrides=[*base, *overrides])

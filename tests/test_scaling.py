@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from tests.faults_runs import SMALL_VOCAB
 from tests.perf_scripts import load_perf_script
 from track_1_short.run_log import read_events
 from track_1_short.schedule import ScheduleConfig, StageConfig
@@ -36,13 +37,7 @@ TINY = [
     "optim.replicated_impl=reference",  # the Triton interpreter's fused kernel costs seconds a step here
     "data.val_tokens=512",
     "data.val_batch_tokens=512",
-    "model.vocab_size=1024",
-    "data.vocab_size=1024",
-    "data.bos_id=1023",
-    "data.synthetic.n_words=512",
-    "data.synthetic.train_tokens=65536",
-    "data.synthetic.shard_tokens=65536",
-    "data.synthetic.val_tokens=4096",
+    *SMALL_VOCAB,
 ]
 
 
