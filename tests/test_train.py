@@ -171,7 +171,9 @@ def _cli(*args: str, full_error: bool = False) -> subprocess.CompletedProcess:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        # A guard against a hang, not a speed target: one smoke_record run takes about two minutes on a
+        # 2-core CPU machine (the Triton interpreter and the tiny model's eager attention).
+        timeout=600,
     )
 
 
