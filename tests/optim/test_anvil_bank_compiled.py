@@ -9,6 +9,8 @@ after it, whatever the step's lr, decay and rail values.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -112,8 +114,8 @@ KINDS = {"tall": (3, 24, 8), "wide": (3, 8, 24), "square": (2, 16, 16)}
 def step_pair(shape, backend_name, device, steps, seed=0):
     """Eager and compiled banks stepped side by side on the same gradients; before each step the compiled
     bank takes the eager one's state, so each step is compared from the same master, rails and energies.
-    Returns, per step: (worst relative error of a moving matrix's step, of the slow rail, of the lane
-    energy, frozen matrices bitwise still)."""
+    Returns, per step: (each moving matrix's relative step error, the slow rail's and the lane energy's
+    relative error, frozen matrices bitwise still)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     n = shape[0]
     weight = (torch.randn(shape, generator=gen, device=device) * 0.02).bfloat16()
@@ -142,7 +144,7 @@ def step_pair(shape, backend_name, device, steps, seed=0):
             bank.update()
         de = (join_master(eager.weight, eager.mantissa) - before).double()
         dc = (join_master(compiled.weight, compiled.mantissa) - before).double()
-        step_err = max(float((dc[j] - de[j]).norm() / de[j].norm()) for j in range(n - 1))
+        errs = [float((dc[j] - de[j]).norm() / de[j].norm()) for j in range(n - 1)]
         frozen = torch.equal(dc[-1], torch.zeros_like(dc[-1])) and torch.equal(de[-1], dc[-1])
 
         def rel(a, b):
@@ -150,7 +152,7 @@ def step_pair(shape, backend_name, device, steps, seed=0):
 
         out.append(
             (
-                step_err,
+                errs,
                 rel(compiled.velocity, eager.velocity),
                 rel(compiled.lane_energy, eager.lane_energy),
                 frozen,
@@ -167,10 +169,8 @@ def test_inductor_on_the_cpu_agrees_with_eager_within_fp32_rounding(backend, kin
     # <= 3e-7 relative). The bounds are ten times the measured figures; a wrong formula, lane axis or gate is
     # off by O(1). The frozen matrix must not move at all (its lr multiplies both terms of the step).
     backend("inductor")
-    for s, (step_err, rail_err, energy_err, frozen) in enumerate(
-        step_pair(KINDS[kind], "inductor", "cpu", 3)
-    ):
-        assert step_err < 3e-6, (kind, s, step_err)
+    for s, (errs, rail_err, energy_err, frozen) in enumerate(step_pair(KINDS[kind], "inductor", "cpu", 3)):
+        assert max(errs) < 3e-6, (kind, s, errs)
         assert rail_err < 1e-6 and energy_err < 1e-6, (kind, s, rail_err, energy_err)
         assert frozen, (kind, s)
 
@@ -183,15 +183,23 @@ TRACK1 = {"qk_bank": (48, 256, 768), "vo_bank": (16, 768, 768), "mlp_bank": (24,
 @pytest.mark.parametrize("label", list(TRACK1))
 def test_on_cuda_inductor_agrees_with_eager_at_the_track1_bank_shapes(backend, label):
     # Triton's kernels fuse the elementwise phases and reduce in another order; cuBLAS runs the cascade's
-    # matmuls in both (Inductor keeps bmm/baddbmm as extern calls). Where a last-bit difference moves a bf16
-    # rounding of a cascade input, that entry's update moves by one bf16 step, so the step error is a
-    # diluted bf16 rounding, well under the 2^-8 of one rounding.
+    # matmuls in both (Inductor keeps bmm/baddbmm as extern calls). Almost every matrix's step agrees to fp32
+    # rounding of the master (measured on an H200: <= 5e-7 relative; bound 1e-5). The exception: the
+    # cascade normalises each matrix by sqrt(trace) summed in fp32, and where Inductor's reduction order moves
+    # that sum's last bit, a few entries of the bf16 cascade input round the other way; the cascade's five
+    # bf16 rounds carry that to about one bf16 rounding (2^-8 = 3.9e-3) of that matrix's whole update
+    # (measured: one of qk's 188 (step, matrix) pairs at 4.8e-3, with its cascade input bitwise equal).
+    # So: at most one matrix in twenty a step may move by a few bf16 roundings (bound 4 x 2^-8 = 1.6e-2;
+    # a wrong formula or lane axis is off by O(1) in every matrix), and the lane energies (mean squares of
+    # the update, averaged with history) by at most twice those matrices' share of the bank's norm.
     backend("inductor")
-    for s, (step_err, rail_err, energy_err, frozen) in enumerate(
-        step_pair(TRACK1[label], "inductor", "cuda", 4)
-    ):
-        assert step_err < 4e-3, (label, s, step_err)
-        assert rail_err < 1e-6 and energy_err < 1e-5, (label, s, rail_err, energy_err)
+    shape = TRACK1[label]
+    moving = shape[0] - 1
+    for s, (errs, rail_err, energy_err, frozen) in enumerate(step_pair(shape, "inductor", "cuda", 4)):
+        rounded = [e for e in errs if e >= 1e-5]
+        assert len(rounded) <= max(1, moving // 20) and max(errs) < 4 * 2**-8, (label, s, rounded)
+        energy_bound = 1e-5 + 2 * math.sqrt(sum(e * e for e in rounded) / len(errs))
+        assert rail_err < 1e-6 and energy_err < energy_bound, (label, s, rail_err, energy_err, energy_bound)
         assert frozen, (label, s)
 
 
@@ -202,7 +210,10 @@ def test_on_cuda_the_compiled_optimizer_step_makes_no_graph_after_its_first():
     start = graphs_made()
     made = []
     train(named, opt, range(STEPS), on_step=lambda s: made.append(graphs_made() - start))
-    # Graphs come on the first step (one per distinct bank shape and constants, at most one per bank) and
-    # never after: the step's changing scalars reach the graphs as tensors.
-    assert 1 <= made[0] <= len(opt.banks) and made == [made[0]] * STEPS, made
+    # Graphs come on the first step (one per distinct bank shape and constants, at most one per bank), and on
+    # CUDA on the first Adam step (step 1: the Adam step is compiled there, one graph per distinct shape and
+    # dtype of its tensors), and never after: the step's changing scalars reach the graphs as tensors.
+    assert 1 <= made[0] <= len(opt.banks), made
+    assert made[0] < made[1] <= made[0] + len(named), made
+    assert made[1:] == [made[1]] * (STEPS - 1), made
     torch._dynamo.reset()
