@@ -405,7 +405,8 @@ def ratio(num: float | str | None, den: float | str | None) -> float | str | Non
 
 
 def _count_triton_launches(counter: list[int]) -> Callable[[], None]:
-    """Wrap the kernel module's launch functions (called by attribute) to count and mark CPU launches."""
+    """Wrap the kernel module's launch functions (called by attribute) and BoundLaunch replays to count and
+    mark CPU launches."""
     from track_1_short.perf.kernels import replicated_adam as kernels
 
     originals = {}
@@ -420,9 +421,20 @@ def _count_triton_launches(counter: list[int]) -> Callable[[], None]:
 
         setattr(kernels, name, counted)
 
+    # The fused path replays BoundLaunch objects (one per flat group) instead of calling the functions.
+    bound_call = kernels.BoundLaunch.__call__
+
+    def counted_bound(self, _original=bound_call):
+        counter[0] += 1
+        with torch.profiler.record_function("triton_launch"):
+            return _original(self)
+
+    kernels.BoundLaunch.__call__ = counted_bound
+
     def restore() -> None:
         for name, original in originals.items():
             setattr(kernels, name, original)
+        kernels.BoundLaunch.__call__ = bound_call
 
     return restore
 

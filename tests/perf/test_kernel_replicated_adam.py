@@ -125,6 +125,82 @@ def _rounding_inputs():
     return torch.cat([x[~torch.isnan(x)], torch.randn(4096, generator=gen) * 1e3])
 
 
+def _bound_against_jit(dtype, device, steps):
+    """Run ``steps`` Adam steps twice from the same buffers: bound replays, and JIT launches; both results."""
+    (params, grads, m, v), t = _case(dtype, seed=4, device=device)
+    buffers = [_flat(params), _flat(grads), _flat(m), _flat(v), _segments(device), _table(t, device)]
+    copies = [b.clone() for b in buffers]
+    launch = K.bind_fused_adam(*buffers, block=BLOCK, zero_grad=False)
+    for _ in range(steps):
+        launch()
+        K.launch_fused_adam(*copies, block=BLOCK, zero_grad=False)
+    return launch, buffers, copies
+
+
+def _assert_same_buffers(buffers, copies):
+    for what, a, b in zip(("param", "grad", "exp_avg", "exp_avg_sq"), buffers, copies):
+        assert_bitwise(a, b, what)
+
+
+def test_a_bound_launch_under_the_interpreter_takes_the_jit_path_every_call_with_the_same_bits():
+    launch, buffers, copies = _bound_against_jit(torch.bfloat16, "cpu", steps=3)
+    assert launch.jit_launches == 3  # the interpreter returns no compiled kernel to bind
+    _assert_same_buffers(buffers, copies)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_a_bound_launch_replays_the_compiled_kernel_with_the_jits_bits(dtype):
+    launch, buffers, copies = _bound_against_jit(dtype, "cuda", steps=5)
+    assert launch.jit_launches == 1 and launch._runner is not None  # four replays bypassed the JIT
+    _assert_same_buffers(buffers, copies)
+
+
+class _FakeCompiled:
+    """Triton's CompiledKernel contract as BoundLaunch uses it: ``compiled[grid]`` indexes grid[0], grid[1]
+    and grid[2], and its runner takes every parameter in signature order, constexprs included."""
+
+    packed_metadata = object()
+
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        dims = (grid[0], grid[1], grid[2])
+        return lambda *values: self.log.append(("replay", dims, values))
+
+
+class _FakeJit:
+    arg_names = ["x_ptr", "n", "FLAG", "BLOCK"]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(("jit", grid, args, kwargs))
+            return _FakeCompiled(self.log)
+
+        return launch
+
+
+def test_a_bound_launch_compiles_once_then_replays_with_a_3d_grid_and_every_argument_in_order():
+    kernel = _FakeJit()
+    launch = K.BoundLaunch(kernel, (5,), ("x", 7), {"BLOCK": 64, "FLAG": True}, {"num_warps": 4})
+    for _ in range(3):
+        launch()
+    assert kernel.log[0] == ("jit", (5,), ("x", 7), {"BLOCK": 64, "FLAG": True, "num_warps": 4})
+    assert kernel.log[1:] == [("replay", (5, 1, 1), ("x", 7, True, 64))] * 2
+    assert launch.jit_launches == 1
+
+
+def test_a_bound_launch_with_arguments_that_do_not_fit_the_kernel_is_refused():
+    (params, grads, m, v), t = _case(torch.float32, seed=4)
+    args = (_flat(params), _flat(grads), _flat(m), _flat(v), _segments(), _table(t), 7)
+    with pytest.raises(TypeError, match="do not match its parameters"):
+        K.BoundLaunch(K._fused_adam_kernel, (1,), args, {"PARAM_BF16": False, "BLOCK": BLOCK}, {})
+
+
 def test_bf16_store_rounds_to_nearest_even_like_torch():
     x = _rounding_inputs()
     assert_bitwise(_round_with_kernel(x), x.to(torch.bfloat16).view(torch.int16), "bf16 rounding")

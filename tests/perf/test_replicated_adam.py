@@ -19,7 +19,9 @@ from tests.perf.replicated_adam_cases import (
 )
 from track_1_short.perf.replicated_adam import (
     SCALAR_TABLE_SLOTS,
+    CurrentStream,
     FlatViewError,
+    HostScalarTable,
     ReplicatedAdam,
     ReplicatedAdamError,
     UploadRing,
@@ -149,6 +151,28 @@ def test_on_the_cpu_the_table_reaches_the_device_by_a_plain_copy_of_the_host_tab
     assert [s["step"] for s in shadow] == [s["step"] for s in states]
 
 
+def test_the_hot_path_table_is_adam_scalar_tables_bit_for_bit_across_slots_and_config_changes():
+    params, cfgs, states = make_inventory(seed=15)
+    shadow = [{"step": s["step"]} for s in states]
+    slots = 3  # fewer than the steps between changes: every slot is reused after each change
+    writer = HostScalarTable(cfgs, states, slots)
+    host = [np.full((len(params), 8), np.nan, dtype=np.float32) for _ in range(slots)]
+    gen = np.random.default_rng(16)
+    for step in range(20):
+        if step == 7:
+            cfgs[2].adam_betas = [0.5, 0.9]  # a beta changes mid-run: every slot must pick it up
+        if step == 13:
+            cfgs[4].eps = 1e-6
+        cfgs[1].lr = 0.008 * (1.0 - step / 30)  # the schedule moves lr every step
+        active = [bool(a) for a in gen.random(len(params)) > 0.2]
+        slot = step % slots
+        writer.write(host[slot], slot, active)
+        expected = adam_scalar_table(params, cfgs, shadow, active)
+        assert np.array_equal(host[slot].view(np.int32), expected.view(np.int32)), f"step {step}"
+        assert [s["step"] for s in states] == [s["step"] for s in shadow], f"step {step}"
+    assert len({s["step"] for s in states}) > 1  # some parameters did miss steps
+
+
 class _FakeEvent:
     """Stands in for torch.cuda.Event on the CPU and logs the ring's protocol."""
 
@@ -204,6 +228,16 @@ def test_cuda_table_goes_through_pinned_slots_each_with_an_event():
         torch.cuda.synchronize()
         slot = ring._slots[step % SCALAR_TABLE_SLOTS]
         assert torch.equal(opt.table.cpu(), slot) and ring._events[step % SCALAR_TABLE_SLOTS].query()
+
+
+@pytest.mark.gpu
+def test_the_cached_current_stream_follows_a_switch_to_another_stream_and_back():
+    current = CurrentStream(torch.device("cuda"))
+    assert current() == torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert current() == side
+    assert current() == torch.cuda.current_stream()
 
 
 # ---- agreement with the per-parameter path -----------------------------------------------------------------

@@ -8,7 +8,9 @@ uploads, about a hundred tiny launches per Adam step.
 Why it is faster: parameters, gradients and both moments lie end to end in one flat buffer per dtype. One
 foreach copy and one all_reduce(AVG) per dtype move the gradients, and one Triton launch per dtype updates
 every element, reading its parameter's hyperparameters from an [n_params, 8] scalar table by segment id; the
-table is built on the host and uploaded once per step. Upstream measured about 7.5x fewer microseconds per
+table is built on the host (three of its eight columns a step, straight into a pinned slot: HostScalarTable)
+and uploaded once per step, and each launch replays the compiled kernel bound to the group's buffers
+(kernels.BoundLaunch) instead of going through Triton's JIT binder. Upstream measured about 7.5x fewer microseconds per
 step than the per-parameter path on an H200 for the 13-tensor set; perf/bench_replicated_adam.py measures ours
 (perf/RESULTS.md). impl="device" (perf/replicated_adam_device.py) also takes the host out of the step.
 
@@ -21,6 +23,7 @@ Invariants (each tested in tests/perf/test_replicated_adam.py):
    previous upload retired (one event per slot); on the CPU through a plain copy.
 5. A parameter with no gradient this step is skipped whole: its step, moments and value stay as they were.
    (Every rank must see the same parameters without a gradient, as every rank runs the same model.)
+6. The hot-path table is adam_scalar_table's bit for bit, across ring slots and mid-run changes of betas/eps.
 
 Calling convention: ``flatten_replicated``, ``adam_scalar_table`` and ``ReplicatedAdam`` take ``param_cfgs``
 and ``param_states`` either as sequences in ``params`` order (this project's optimizer) or as mappings keyed
@@ -344,6 +347,26 @@ def adam_scalar_table(
     return out
 
 
+class CurrentStream:
+    """``torch.cuda.current_stream(device)``, rebuilt only when the raw current stream changes.
+
+    An event recorded without a stream asks torch for the current one, which builds a new Python Stream
+    object every call (microseconds of host time on the hot path); the raw stream handle is one cheap call.
+    """
+
+    def __init__(self, device: torch.device):
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self._raw: int | None = None
+        self._stream: torch.cuda.Stream | None = None
+
+    def __call__(self) -> torch.cuda.Stream:
+        raw = torch._C._cuda_getCurrentRawStream(self.index)
+        if raw != self._raw:
+            self._stream = torch.cuda.current_stream(self.index)
+            self._raw = raw
+        return self._stream
+
+
 class UploadRing:
     """Host -> device copies of one small tensor per step.
 
@@ -366,6 +389,7 @@ class UploadRing:
         self._slots = [torch.zeros(target.shape, dtype=target.dtype, pin_memory=pin) for _ in range(count)]
         self._arrays = [slot.numpy() for slot in self._slots]
         self._events = [(event_factory or torch.cuda.Event)() for _ in range(count)] if ring else None
+        self._stream = CurrentStream(target.device) if target.is_cuda and event_factory is None else None
         self._next = 0
 
     @property
@@ -385,8 +409,61 @@ class UploadRing:
             self.target.copy_(self._slots[k])
             return
         self.target.copy_(self._slots[k], non_blocking=True)
-        self._events[k].record()
+        if self._stream is not None:
+            self._events[k].record(self._stream())
+        else:
+            self._events[k].record()
         self._next = (k + 1) % len(self._slots)
+
+
+class HostScalarTable:
+    """The fused path's per-step scalar table, written straight into the upload ring's next pinned slot.
+
+    What it replaces on the hot path: ``adam_scalar_table`` (the public, general form: it accepts mappings and
+    sets, checks lengths, and builds all eight columns as a list of Python floats every step). Why it is
+    faster: one pass over the parameters computes the three per-step columns (step_size, eff_wd, active);
+    the five that depend only on betas and eps are written into a slot only when they changed since that
+    slot last held them (read in the same pass, so a config whose betas change mid-run is honoured).
+    Invariant (tests/perf/test_replicated_adam.py): the table is bitwise adam_scalar_table's, and the step
+    counters move the same way.
+    """
+
+    def __init__(self, param_cfgs: Sequence[AdamParamConfig], param_states: Sequence[dict], slots: int):
+        self.cfgs, self.states = param_cfgs, param_states
+        n = len(param_cfgs)
+        self._step_size, self._eff_wd, self._active = [0.0] * n, [0.0] * n, [0.0] * n
+        self._version = 0
+        self._slot_versions = [-1] * slots
+        self._rebuild_static()
+
+    def _rebuild_static(self) -> None:
+        self._keys = [(c.adam_betas[0], c.adam_betas[1], c.eps) for c in self.cfgs]
+        rows = [[b1, 1.0 - b1, b2, 1.0 - b2, eps] for b1, b2, eps in self._keys]
+        self._static = np.array(rows, dtype=np.float64).astype(np.float32)  # one rounding, as the table's
+        self._version += 1
+
+    def write(self, rows: np.ndarray, slot: int, active: Sequence[bool]) -> None:
+        """Fill ``rows`` (the fp32 [n, 8] host array of ring slot ``slot``) and count the active steps."""
+        step_size, eff_wd, flags = self._step_size, self._eff_wd, self._active
+        changed = False
+        for i, (cfg, state, key) in enumerate(zip(self.cfgs, self.states, self._keys)):
+            betas = cfg.adam_betas
+            changed = changed or betas[0] != key[0] or betas[1] != key[1] or cfg.eps != key[2]
+            if active[i]:
+                step = state["step"] + 1
+                state["step"] = step
+                step_size[i], eff_wd[i] = adam_step_scalars(cfg, step)
+                flags[i] = 1.0
+            else:
+                step_size[i] = eff_wd[i] = flags[i] = 0.0
+        if changed:
+            self._rebuild_static()
+        if self._slot_versions[slot] != self._version:
+            rows[:, :5] = self._static
+            self._slot_versions[slot] = self._version
+        rows[:, 5] = step_size  # float64 -> float32: round to nearest even, once
+        rows[:, 6] = eff_wd
+        rows[:, 7] = flags
 
 
 class ReplicatedAdam:
@@ -438,8 +515,24 @@ class ReplicatedAdam:
         self.groups = flatten_replicated(params, param_states, device)
         self.table = torch.zeros((len(params), len(SCALAR_COLUMNS)), dtype=torch.float32, device=device)
         self._ring = UploadRing(self.table) if impl == "fused" else None
-        # The kernel's view of each group's param and grad buffers (bf16 as int16 bits), made once.
-        self._bits = [(kernels._bits(g.param), kernels._bits(g.grad)) for g in self.groups]
+        self._host_table = (
+            HostScalarTable(self.param_cfgs, self.param_states, SCALAR_TABLE_SLOTS)
+            if impl == "fused"
+            else None
+        )
+        # One bound kernel launch per group over its flat buffers (bf16 as int16 bits), made once.
+        self._launches = (
+            [
+                kernels.bind_fused_adam(
+                    g.param, g.grad, g.exp_avg, g.exp_avg_sq, g.segment, self.table, block, zero_grad=False
+                )
+                for g in self.groups
+            ]
+            if impl == "fused"
+            else []
+        )
+        # Per group: the members' parameter indices and gradient views, as plain lists for the hot path.
+        self._members = [(list(g.indices), list(g.grad_views)) for g in self.groups]
         self._handles: list[distributed.Handle] | None = None
         self._active: list[bool] | None = None
         self._addresses = self._current_addresses()
@@ -455,15 +548,18 @@ class ReplicatedAdam:
             return
         if self._handles is not None:
             raise ReplicatedAdamError("launch_reduce() called twice without update() in between")
-        active = [p.grad is not None for p in self.params]
-        for group in self.groups:
+        params = self.params
+        grads = [p.grad for p in params]
+        active = [g is not None for g in grads]
+        every = all(active)
+        for indices, views in self._members:
             # One foreach copy per dtype: a list that mixes dtypes leaves the multi-tensor fast path and
             # costs one copy launch per tensor.
-            dst, src = [], []
-            for k, i in enumerate(group.indices):
-                if active[i]:
-                    dst.append(group.grad_views[k])
-                    src.append(self.params[i].grad)
+            if every:
+                dst, src = views, [grads[i] for i in indices]
+            else:  # some parameter had no gradient this step: copy the others
+                dst = [v for v, i in zip(views, indices) if active[i]]
+                src = [grads[i] for i in indices if active[i]]
             if dst:
                 torch._foreach_copy_(dst, src)
         self._active = active
@@ -480,22 +576,12 @@ class ReplicatedAdam:
         self._handles, self._active = None, None
         for handle in handles:
             handle.wait()
-        adam_scalar_table(
-            self.params, self.param_cfgs, self.param_states, active, out=self._ring.host_buffer()
-        )
+        slot = self._ring.slot_index
+        self._host_table.write(self._ring.host_buffer(), slot, active)
         self._ring.upload()
-        for group, (param_bits, grad_bits) in zip(self.groups, self._bits):
+        for group, launch in zip(self.groups, self._launches):
             if any(active[i] for i in group.indices):
-                kernels.launch_fused_adam(
-                    param_bits,
-                    grad_bits,
-                    group.exp_avg,
-                    group.exp_avg_sq,
-                    group.segment,
-                    self.table,
-                    self.block,
-                    zero_grad=False,
-                )
+                launch()
 
     def zero_grad(self) -> None:
         """Clear the gradients: .grad = None ("fused"), or zero the flat accumulators ("device")."""

@@ -317,25 +317,87 @@ def _div_rn(device: torch.device) -> bool:
     return device.type == "cuda" and inductor_divides_rn()
 
 
+def _fused_adam_launch(param, grad, exp_avg, exp_avg_sq, segment, scalars, block: int, zero_grad: bool):
+    """(grid, arguments, constexprs, options) of one fused_adam_ launch."""
+    n = param.numel()
+    args = (_bits(param), _bits(grad), exp_avg, exp_avg_sq, segment, scalars, n)
+    constexprs = {
+        "PARAM_BF16": param.dtype in (torch.bfloat16, torch.int16),
+        "ZERO_GRAD": zero_grad,
+        "DIV_RN": _div_rn(param.device),
+        "BLOCK": block,
+    }
+    return (triton.cdiv(n, block),), args, constexprs, {"enable_fp_fusion": False, "num_warps": _NUM_WARPS}
+
+
 def launch_fused_adam(
     param, grad, exp_avg, exp_avg_sq, segment, scalars, block: int, zero_grad: bool
 ) -> None:
     """The unchecked launch behind fused_adam_ (callers that validated their buffers once at construction)."""
-    n = param.numel()
-    _fused_adam_kernel[(triton.cdiv(n, block),)](
-        _bits(param),
-        _bits(grad),
-        exp_avg,
-        exp_avg_sq,
-        segment,
-        scalars,
-        n,
-        PARAM_BF16=param.dtype in (torch.bfloat16, torch.int16),
-        ZERO_GRAD=zero_grad,
-        DIV_RN=_div_rn(param.device),
-        enable_fp_fusion=False,
-        BLOCK=block,
-        num_warps=_NUM_WARPS,
+    grid, args, constexprs, options = _fused_adam_launch(
+        param, grad, exp_avg, exp_avg_sq, segment, scalars, block, zero_grad
+    )
+    _fused_adam_kernel[grid](*args, **constexprs, **options)
+
+
+class BoundLaunch:
+    """One Triton launch whose arguments never change, replayed through the compiled kernel's own launcher.
+
+    What it replaces: ``kernel[grid](*args)`` on every step. Triton's JIT call binds the arguments, derives
+    each one's specialization (a pointer's 16-byte alignment, an int's value class), builds a cache key and
+    looks the compiled kernel up before it launches: host work that is the same every step for buffers that
+    never move. Why it is faster: the first call goes through the JIT (compiling if needed) and keeps the
+    compiled kernel it returns; every later call goes straight to ``compiled[grid](*arguments)``, Triton's
+    entry point for a compiled kernel, which only reads the current stream and launches.
+
+    Invariants (tests/perf/test_kernel_replicated_adam.py; the CUDA ones run under ``pytest -m gpu``): the
+    arguments are the same objects every call (the flat buffers of a ReplicatedAdam, allocated once and only
+    ever written in place), so the first call's specialization holds for all later ones; a bound replay gives
+    the bits of a JIT launch. Constexprs are fixed at binding, Inductor's division-rounding switch included
+    (DIV_RN): the compiled reference reads it once too, when it compiles. Under Triton's interpreter (no GPU)
+    the JIT call returns no compiled kernel and every call takes the JIT path.
+
+    Provenance: Inductor launches its generated Triton kernels the same way (the compiled binary's launcher,
+    with arguments it prepared itself), not through the JIT's binder.
+    """
+
+    def __init__(self, kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict):
+        named = dict(zip(kernel.arg_names, args))
+        named.update(constexprs)
+        missing = [name for name in kernel.arg_names if name not in named]
+        if len(args) + len(constexprs) != len(kernel.arg_names) or missing:
+            raise TypeError(
+                f"BoundLaunch of {getattr(kernel, '__name__', kernel)}: arguments {sorted(named)} do not "
+                f"match its parameters {list(kernel.arg_names)}"
+            )
+        self.kernel, self.grid = kernel, grid
+        self.args, self.constexprs, self.options = args, constexprs, options
+        # The compiled launcher takes every parameter in signature order, constexprs included (it skips them).
+        self._values = tuple(named[name] for name in kernel.arg_names)
+        self._runner = None
+        self.jit_launches = (
+            0  # calls that went through the JIT (1 on a GPU; every call under the interpreter)
+        )
+
+    def __call__(self) -> None:
+        runner = self._runner
+        if runner is not None:
+            runner(*self._values)
+            return
+        compiled = self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
+        self.jit_launches += 1
+        if compiled is not None and hasattr(compiled, "packed_metadata"):
+            # The compiled kernel's launcher indexes all three grid dimensions (the JIT pads them itself).
+            self._runner = compiled[tuple(self.grid) + (1,) * (3 - len(self.grid))]
+
+
+def bind_fused_adam(
+    param, grad, exp_avg, exp_avg_sq, segment, scalars, block: int, zero_grad: bool
+) -> BoundLaunch:
+    """launch_fused_adam as a BoundLaunch over buffers that stay in place (validated by the caller)."""
+    return BoundLaunch(
+        _fused_adam_kernel,
+        *_fused_adam_launch(param, grad, exp_avg, exp_avg_sq, segment, scalars, block, zero_grad),
     )
 
 
