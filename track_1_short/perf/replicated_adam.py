@@ -10,9 +10,10 @@ foreach copy and one all_reduce(AVG) per dtype move the gradients, and one Trito
 every element, reading its parameter's hyperparameters from an [n_params, 8] scalar table by segment id; the
 table is built on the host (three of its eight columns a step, straight into a pinned slot: HostScalarTable)
 and uploaded once per step, and each launch replays the compiled kernel bound to the group's buffers
-(kernels.BoundLaunch) instead of going through Triton's JIT binder. Upstream measured about 7.5x fewer microseconds per
-step than the per-parameter path on an H200 for the 13-tensor set; perf/bench_replicated_adam.py measures ours
-(perf/RESULTS.md). impl="device" (perf/replicated_adam_device.py) also takes the host out of the step.
+(kernels.BoundLaunch) instead of going through Triton's JIT binder. Upstream measured about 7.5x fewer
+microseconds per step than the per-parameter path on an H200 for the 13-tensor set;
+perf/bench_replicated_adam.py measures ours (perf/RESULTS.md). impl="device"
+(perf/replicated_adam_device.py) moves the table to the device and replays the step as CUDA graphs.
 
 Invariants (each tested in tests/perf/test_replicated_adam.py):
 1. After construction every parameter's .data and its exp_avg / exp_avg_sq are views into the flat buffers,

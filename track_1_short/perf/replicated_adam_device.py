@@ -2,8 +2,13 @@
 
 What it replaces (``ReplicatedAdam(..., impl="device")``, OptimConfig.replicated_impl = "device"; "fused" is
 perf/replicated_adam.py's host path): per Adam step, the NumPy scalar table, its pinned upload and event wait,
-the foreach copy of the gradients, one all_reduce and one Triton launch per dtype: about 390 us of host time
-per step on an H200, against about 5 us for one CUDA-graph replay of an all_reduce plus a kernel.
+the foreach copy of the gradients, one all_reduce and one Triton launch per dtype. Measured on an H200
+(perf/RESULTS.md, the record's 13 tensors, one backward per Adam step): 127-129 us of host time per Adam
+step against 270-290 us for "fused"; of those, one replay of the update graph is about 7 us, and most of the
+rest is the 13 gradient hooks and the in-place accumulation into the flat gradient buffer (a launch per
+tensor, where autograd would otherwise hand over its fresh gradient). In the trainer the hooks run in every
+micro-batch's backward, and the two modes run the preset at the same speed (README "Defaults of the fast
+paths").
 
 Why it is faster:
 - The table is computed on the device. Per step the host writes six fp64 numbers per parameter (lr, lr_mul,
