@@ -575,7 +575,11 @@ def corpus_facts(paths: dict) -> dict:
 
 
 def run(cfg: DictConfig | TrainConfig) -> RunResult:
-    """Build, warm up, train, validate. Works in one process, under torchrun, or in a test's gloo ranks."""
+    """Build, warm up, train, validate. Works in one process, under torchrun, or in a test's gloo ranks.
+
+    All four run under the route :func:`bf16_matmul_route` picks for the bf16 matmuls (on a CPU without native
+    bf16 GEMM: fp32 GEMMs, track_1_short/perf/cpu_bf16_matmul.py), entered here in every process that trains
+    and left on the way out, also on an error."""
     resolved = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
     resolved_dict = OmegaConf.to_container(resolved, resolve=True)
     tcfg = to_object(cfg)
