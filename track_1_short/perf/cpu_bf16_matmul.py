@@ -3,7 +3,7 @@
 What it replaces (``cpu_bf16_matmul=native``): torch's own CPU kernel for bf16 ``mm``, ``bmm``, ``addmm`` and
 ``baddbmm``. On a CPU without native bf16 GEMM (no AVX512-BF16 or AMX, e.g. an AVX2-only AMD EPYC: oneDNN
 refuses it, ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is False) that kernel is a scalar fallback:
-measured 1.5 GFLOP/s on one thread at 512 x 512, against 32 GFLOP/s for fp32. Every CPU run trains in bf16
+measured 1.4 GFLOP/s on one thread at 512 x 512, against 35 GFLOP/s for fp32. Every CPU run trains in bf16
 (the tiny model's compute dtype, the ANVIL cascade's bmm/baddbmm), so the fallback set the run's pace.
 
 Why it is faster: inside :func:`fp32_matmuls` a dispatch mode sees every aten op below autograd (``F.linear``,
