@@ -10,6 +10,7 @@ the short config and dies by SIGKILL, which no handler can intercept, at the mom
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
@@ -22,6 +23,7 @@ from omegaconf import OmegaConf
 
 from track_1_short import checkpoint, distributed, trainer
 from track_1_short.config import to_object
+from track_1_short.perf import cpu_bf16_matmul
 from track_1_short.schedule import StageConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -75,6 +77,15 @@ def build(cfg) -> trainer.Trainer:
     device = distributed.init(trainer.select_device(tcfg))
     trainer.apply_cpu_threads(tcfg, device)
     return trainer.Trainer(tcfg, resolved, device)
+
+
+def run_route(cfg) -> contextlib.AbstractContextManager:
+    """The bf16 matmul route trainer.run takes for ``cfg`` (cpu_bf16_matmul), for a test that builds and
+    steps a trainer itself: the routes round differently near ties, so a trainer stepped outside it would not
+    reproduce the bits of the runs it is compared with."""
+    tcfg = to_object(cfg)
+    device = torch.device(trainer.select_device(tcfg))
+    return cpu_bf16_matmul.route(trainer.bf16_matmul_route(tcfg, device)[0])
 
 
 def final_state(t: trainer.Trainer) -> dict:
@@ -152,11 +163,13 @@ def train_worker(rank, world, runs_root, overrides):
 
 def resume_worker(rank, world, runs_root, resume, overrides):
     """Resume at this world size: the optimizer state right after the load, then the finished run's."""
-    t = build(short_cfg(runs_root, f"resume={resume}", *overrides))
-    t.resume(resume)
-    loaded = t.opt.state_dict()
-    r = t.train()
-    return {"loaded": loaded, "losses": r.train_losses, "val": r.val_loss, **final_state(t)}
+    cfg = short_cfg(runs_root, f"resume={resume}", *overrides)
+    with run_route(cfg):
+        t = build(cfg)
+        t.resume(resume)
+        loaded = t.opt.state_dict()
+        r = t.train()
+        return {"loaded": loaded, "losses": r.train_losses, "val": r.val_loss, **final_state(t)}
 
 
 def scenarios_worker(rank, world, scenarios):

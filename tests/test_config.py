@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -263,3 +264,31 @@ def test_cpu_threads_is_a_config_field_with_a_checked_range():
     assert to_object(compose_train()).cpu_threads == 1
     with pytest.raises(ConfigError, match="cpu_threads"):
         to_object(compose_train("cpu_threads=-1"))
+
+
+ONE_OF = r"cpu_bf16_matmul='bf16' must be one of \['auto', 'native', 'fp32'\]"
+
+
+def test_cpu_bf16_matmul_is_a_config_field_with_checked_values():
+    assert to_object(compose_train()).cpu_bf16_matmul == "auto"
+    with pytest.raises(ConfigError, match=ONE_OF):
+        to_object(compose_train("cpu_bf16_matmul=bf16"))
+    # torch.compile refuses a frame under the fp32 route's dispatch mode: the pair is refused before a run.
+    with pytest.raises(ConfigError, match="cpu_bf16_matmul=fp32 cannot run with optim.bank_update=compiled"):
+        to_object(compose_train("cpu_bf16_matmul=fp32", "optim.bank_update=compiled"))
+
+
+@pytest.mark.parametrize("native_gemm", [False, True])
+def test_the_trainers_bf16_matmul_route_follows_the_cpu_kind_and_what_it_compiles(native_gemm, monkeypatch):
+    from track_1_short.perf import cpu_bf16_matmul
+    from track_1_short.trainer import bf16_matmul_route
+
+    monkeypatch.setattr(cpu_bf16_matmul, "native_bf16_gemm", lambda: native_gemm)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    route = lambda *o: bf16_matmul_route(to_object(compose_train(*o)), cpu)[0]  # noqa: E731
+    # compile (true by default) compiles the model on CUDA only: on the CPU it does not decide the route.
+    assert route() == route("compile=true") == route("compile=false") == ("native" if native_gemm else "fp32")
+    assert route("optim.bank_update=compiled") == "native"  # the banks compile on the CPU too
+    assert route("cpu_bf16_matmul=native") == "native"
+    assert route("cpu_bf16_matmul=fp32") == "fp32"
+    assert bf16_matmul_route(to_object(compose_train()), cuda)[0] == "native"

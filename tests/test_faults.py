@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.distributed_harness import run_ranks
-from tests.faults_runs import build, final_state, scenarios_worker, short_cfg
+from tests.faults_runs import build, final_state, run_route, scenarios_worker, short_cfg
 from track_1_short import checkpoint, run_log, trainer
 from track_1_short.checkpoint import CheckpointError
 from track_1_short.guards import GuardConfig, GuardConfigError, NonFiniteGradError, checksums, nonfinite_flags
@@ -257,18 +257,21 @@ def test_nan_gradient_stops_naming_step_and_label_and_the_last_good_checkpoint_s
 @pytest.mark.parametrize("step", [2, 3])
 def test_skip_policy_leaves_parameters_and_optimizer_state_as_they_were(step, tmp_path):
     faults = [f"fault_injection.nan_grad_step={step}", "fault_injection.nan_grad_label=scalars"]
-    t = build(
-        short_cfg(str(tmp_path), "guards.nan_policy=skip", "fault_injection.nan_grad_value=inf", *faults)
-    )
-    for s in range(step):
-        t.train_step(s)
-    before = final_state(t)["params"], {k: v for k, v in t.opt.state_dict().items() if k != "pending_grads"}
-    loss = t.train_step(step)
-    after = final_state(t)["params"], {k: v for k, v in t.opt.state_dict().items() if k != "pending_grads"}
-    assert_tree_bitwise_equal(after, before)
-    assert t.guards.skipped_steps == [step] and all(p.grad is None for p in t.model.parameters())
-    assert torch.isfinite(loss)  # the forward was fine; only the gradient was poisoned
-    t.train_step(step + 1)  # training goes on, and stays finite
+    cfg = short_cfg(str(tmp_path), "guards.nan_policy=skip", "fault_injection.nan_grad_value=inf", *faults)
+    with run_route(cfg):  # the run's matmuls (and its speed), as trainer.run would step it
+        t = build(cfg)
+        for s in range(step):
+            t.train_step(s)
+        state = lambda: (  # noqa: E731
+            final_state(t)["params"],
+            {k: v for k, v in t.opt.state_dict().items() if k != "pending_grads"},
+        )
+        before = state()
+        loss = t.train_step(step)
+        assert_tree_bitwise_equal(state(), before)
+        assert t.guards.skipped_steps == [step] and all(p.grad is None for p in t.model.parameters())
+        assert torch.isfinite(loss)  # the forward was fine; only the gradient was poisoned
+        t.train_step(step + 1)  # training goes on, and stays finite
     checkpoint.assert_finite(final_state(t))
 
 
@@ -337,10 +340,12 @@ def test_resume_across_world_sizes_two_to_one_reshards_exactly_and_matches_withi
 ):
     plain = two_ranks["plain"]
     ckpt = Path(plain[0]["run_dir"]) / "checkpoints" / "step_000002.pt"
-    t = build(short_cfg(str(tmp_path), f"resume={ckpt}", "run_name=two_to_one"))
-    t.resume(str(ckpt))
-    assert_tree_bitwise_equal(t.opt.state_dict(), checkpoint.load(ckpt)["optimizer"])
-    r = t.train()
+    cfg = short_cfg(str(tmp_path), f"resume={ckpt}", "run_name=two_to_one")
+    with run_route(cfg):  # the route the two-rank run took, so that only the reduction order differs
+        t = build(cfg)
+        t.resume(str(ckpt))
+        assert_tree_bitwise_equal(t.opt.state_dict(), checkpoint.load(ckpt)["optimizer"])
+        r = t.train()
     # The same tolerance argument as 1 -> 2 above, in the other direction.
     assert abs(r.train_losses[0] - plain[0]["losses"][2]) < 1e-4
     assert max(abs(a - b) for a, b in zip(r.train_losses, plain[0]["losses"][2:])) < 0.05

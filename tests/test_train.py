@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from tests.distributed_harness import run_ranks
 from track_1_short import checkpoint, run_log, trainer
+from track_1_short.perf import cpu_bf16_matmul
 from track_1_short.schedule import StageConfig
 
 pytestmark = pytest.mark.slow  # every test trains runs or starts the CLI
@@ -61,7 +62,13 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 
 def _worker(rank, world, runs_root, overrides):
     r = trainer.run(short_cfg(runs_root, *overrides))
-    return {"losses": r.train_losses, "val": r.val_loss, "params": params_of(r), "run_dir": str(r.run_dir)}
+    return {
+        "losses": r.train_losses,
+        "val": r.val_loss,
+        "params": params_of(r),
+        "run_dir": str(r.run_dir),
+        "bf16_matmul": r.trainer.bf16_matmul,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +125,8 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(one_pro
     results = run_ranks(_worker, 2, str(tmp_path), ())
     r0, r1 = results  # two ranks of 256 tokens: the same documents as one rank's two microbatches
     assert r0["run_dir"] == r1["run_dir"]  # rank 0 chose it and broadcast it
+    # Each spawned rank took the route of the one process (trainer.run enters it in every process).
+    assert r0["bf16_matmul"] == r1["bf16_matmul"] == one_process.trainer.bf16_matmul
     assert_bitwise_equal(r0["params"], r1["params"])  # replicas stay identical
     assert sorted(p.name for p in Path(r0["run_dir"]).iterdir()) == [
         "config.yaml",
@@ -238,19 +247,72 @@ def test_deterministic_holds_for_the_run_and_is_restored_after_it_even_on_an_err
     assert seen == [True, False] and not torch.are_deterministic_algorithms_enabled()
 
 
+def test_the_run_reports_the_bf16_matmul_route_it_took_next_to_compiled(one_process):
+    t = one_process.trainer
+    route, why = trainer.bf16_matmul_route(t.cfg, t.device)
+    assert t.bf16_matmul == route and not cpu_bf16_matmul.active()  # the mode is gone after the run
+    build = [line for line in (one_process.run_dir / "log.txt").read_text().splitlines() if "build:" in line]
+    assert len(build) == 1 and build[0].endswith(f"compiled False, bf16 matmul {route} ({why})"), build
+
+
+def _recording_route(monkeypatch, fail_at: list[int]) -> list[tuple]:
+    """Patch the trainer's warmup, step and validation to record (what, the built trainer's route, whether
+    the fp32 mode is in force) as they start; a step raises at ``fail_at[0]``."""
+    real = {name: getattr(trainer.Trainer, name) for name in ("warmup", "train_step", "validate")}
+    seen = []
+
+    def warmup(self):
+        seen.append(("warmup", self.bf16_matmul, cpu_bf16_matmul.active()))
+        return real["warmup"](self)
+
+    def train_step(self, step, marks=None):
+        seen.append((f"step {step}", self.bf16_matmul, cpu_bf16_matmul.active()))
+        if step == fail_at[0]:
+            raise RuntimeError(f"planted failure at step {step}")
+        return real["train_step"](self, step, marks)
+
+    def validate(self, max_batches=None):
+        seen.append(("validate", self.bf16_matmul, cpu_bf16_matmul.active()))
+        return real["validate"](self, max_batches)
+
+    for name, fn in (("warmup", warmup), ("train_step", train_step), ("validate", validate)):
+        monkeypatch.setattr(trainer.Trainer, name, fn)
+    return seen
+
+
+def test_the_fp32_route_holds_from_build_to_validation_and_is_gone_after_an_error(tmp_path, monkeypatch):
+    fail_at = [1]
+    seen = _recording_route(monkeypatch, fail_at)
+    assert not cpu_bf16_matmul.active()
+    # val_every=1: step 0, its validation, then step 1 raises.
+    with pytest.raises(RuntimeError, match="planted failure at step 1"):
+        trainer.run(short_cfg(str(tmp_path), "cpu_bf16_matmul=fp32", "val_every=1", "run_name=fp32"))
+    assert [what for what, _, _ in seen] == ["warmup", "step 0", "validate", "step 1"]
+    assert all(built == "fp32" and active for _, built, active in seen), seen  # built under it too
+    assert not cpu_bf16_matmul.active()
+    # native: the mode is never entered.
+    seen.clear()
+    fail_at[0] = 0
+    with pytest.raises(RuntimeError, match="planted failure at step 0"):
+        trainer.run(short_cfg(str(tmp_path), "cpu_bf16_matmul=native", "run_name=native"))
+    assert seen == [("warmup", "native", False), ("step 0", "native", False)]
+
+
 def _first_step_grads(runs_root: str, *overrides: str) -> dict[str, torch.Tensor]:
     """The gradients step 0's optimizer step receives (captured before it consumes them)."""
     from track_1_short.config import to_object
 
     cfg = short_cfg(runs_root, MICRO, *overrides)
-    t = trainer.Trainer(to_object(cfg), OmegaConf.to_container(cfg, resolve=True), torch.device("cpu"))
-    seen = {}
-    t.opt.step = lambda do_adam: seen.update({k: p.grad.clone() for k, p in t.opt.params.items()})
-    try:
-        t.train_step(0)
-    finally:
-        t.loader.close()
-        t.log.close()
+    tcfg, cpu = to_object(cfg), torch.device("cpu")
+    with cpu_bf16_matmul.route(trainer.bf16_matmul_route(tcfg, cpu)[0]):  # trainer.run's matmuls
+        t = trainer.Trainer(tcfg, OmegaConf.to_container(cfg, resolve=True), cpu)
+        seen = {}
+        t.opt.step = lambda do_adam: seen.update({k: p.grad.clone() for k, p in t.opt.params.items()})
+        try:
+            t.train_step(0)
+        finally:
+            t.loader.close()
+            t.log.close()
     return seen
 
 
@@ -270,6 +332,7 @@ def test_loss_sum_ranks_backprops_upstreams_summed_loss_of_one_of_n_ranks(tmp_pa
         (("+schedul.lr_floor=0.2",), "Did you mean 'schedule.lr_floor'"),  # ours, before Hydra composes
         (("seed=abc",), "seed"),  # Hydra's own composition error
         (("fault_injection.nan_grad_value=bad",), "nan_grad_value"),  # a group's __post_init__
+        (("cpu_bf16_matmul=bf16",), "cpu_bf16_matmul='bf16' must be one of ['auto', 'native', 'fp32']"),
     ],
 )
 def test_bad_flags_exit_2_with_one_message_and_no_traceback(args, match, tmp_path):

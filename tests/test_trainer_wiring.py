@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.faults_runs import build, short_cfg
+from tests.faults_runs import build, run_route, short_cfg
 from track_1_short import schedule
 from track_1_short.schedule import StageConfig
 
@@ -86,7 +86,8 @@ def recorded(tmp_path_factory):
         return forward
 
     t.forward, t.val_forward = recording(t.forward), recording(t.val_forward)  # training, validation
-    t.train()
+    with run_route(cfg):  # trainer.run's matmuls, and its speed
+        t.train()
     return t, calls
 
 
@@ -163,9 +164,11 @@ def test_the_bank_update_switch_reaches_every_bank_of_the_trainers_optimizer(
 
     monkeypatch.setattr(bank_compile, "COMPILE_BACKEND", "aot_eager")
     torch._dynamo.reset()
-    t = build(short_cfg(str(tmp_path), "checkpoint.every=0", f"optim.bank_update={bank_update}"))
+    cfg = short_cfg(str(tmp_path), "checkpoint.every=0", f"optim.bank_update={bank_update}")
+    t = build(cfg)
     assert t.cfg.optim.bank_update == bank_update
     fns = {label: bank.update_fn for label, bank in t.opt.banks.items()}
     assert fns and all((fn is bank_update_) == (bank_update == "eager") for fn in fns.values()), fns
-    t.train_step(0)
+    with run_route(cfg):  # trainer.run's: native kernels when the banks compile (the mode would refuse them)
+        t.train_step(0)
     torch._dynamo.reset()

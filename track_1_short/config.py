@@ -25,6 +25,7 @@ from track_1_short.data import DataConfig
 from track_1_short.guards import FaultInjectionConfig, GuardConfig
 from track_1_short.model.gpt import ModelConfig
 from track_1_short.optim.anvil import OptimConfig
+from track_1_short.perf.cpu_bf16_matmul import SETTINGS as CPU_BF16_MATMUL_SETTINGS
 from track_1_short.schedule import ScheduleConfig
 
 
@@ -61,6 +62,15 @@ class TrainConfig:
     """Intra-op threads of torch on the CPU (torch.set_num_threads at the start of a run); 0 = torch's default
     (one per core). 1 because a second thread gains little on an idle 2-core machine and loses up to 10x when
     another process competes for the cores (the README has the figures)."""
+    cpu_bf16_matmul: str = "auto"
+    """How a CPU run multiplies bf16 matrices (track_1_short/perf/cpu_bf16_matmul.py): "native" (torch's CPU
+    kernel), "fp32" (through fp32 GEMMs: bf16 inputs, fp32 accumulation, one rounding to bf16, the native
+    kernel's contract) or "auto": fp32 exactly when the CPU has no native bf16 GEMM (no AVX512-BF16 or AMX;
+    there torch's kernel is a scalar fallback, about 20x slower than fp32) and nothing in the run is compiled
+    (torch.compile refuses a frame under the fp32 route's dispatch mode; on the CPU only
+    optim.bank_update=compiled compiles, since ``compile`` applies to CUDA runs only). The two routes round
+    differently near ties, so runs on them are close, not bitwise equal. A CUDA run always uses its native
+    kernels."""
     seed: int = 0
     """Seed of the model init and every generator (same on every rank, so replicas start equal)."""
     device: str = "auto"
@@ -113,6 +123,16 @@ class TrainConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0.")
         if self.log_every < 1:
             raise ConfigError(f"log_every={self.log_every} must be >= 1.")
+        if self.cpu_bf16_matmul not in CPU_BF16_MATMUL_SETTINGS:
+            raise ConfigError(
+                f"cpu_bf16_matmul={self.cpu_bf16_matmul!r} must be one of {list(CPU_BF16_MATMUL_SETTINGS)}."
+            )
+        if self.cpu_bf16_matmul == "fp32" and self.optim.bank_update == "compiled":
+            raise ConfigError(
+                "cpu_bf16_matmul=fp32 cannot run with optim.bank_update=compiled: torch.compile refuses a "
+                "frame under the fp32 route's dispatch mode. Use cpu_bf16_matmul=auto (it picks the native "
+                "kernels for a compiled run) or optim.bank_update=eager."
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device={self.device!r} must be 'auto', 'cpu' or 'cuda'.")
         if self.checkpoint.every < 0 or self.checkpoint.keep_last < 0:

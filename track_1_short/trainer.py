@@ -37,6 +37,7 @@ from track_1_short.checkpoint import CheckpointError, NonFiniteError
 from track_1_short.config import ConfigError, TrainConfig, accumulation_steps, check_run, to_object
 from track_1_short.guards import Guards
 from track_1_short.optimizer_time import OptimizerTime
+from track_1_short.perf import cpu_bf16_matmul
 from track_1_short.perf.frozen_gc import freeze_gc, restore_gc
 from track_1_short.run_log import RunLog, environment
 
@@ -201,7 +202,17 @@ class Trainer:
         self.phases.log = self.log
         self.phases.finished("data", data_s, source=cfg.data.kind)
         n_params = sum(p.numel() for p in self.model.parameters())
-        self.phases.finished("build", model_s, parameters=f"{n_params:,}", compiled=self.compiled)
+        # What is in force, not what was asked for: a caller that builds the trainer outside run() and
+        # forgets the route shows up here. The reason is the switch's when the two agree.
+        self.bf16_matmul = "fp32" if cpu_bf16_matmul.active() else "native"
+        route, why = bf16_matmul_route(cfg, device)
+        self.phases.finished(
+            "build",
+            model_s,
+            parameters=f"{n_params:,}",
+            compiled=self.compiled,
+            bf16_matmul=f"{self.bf16_matmul} ({why})" if route == self.bf16_matmul else self.bf16_matmul,
+        )
         self.graphs_after_warmup: int | None = None
         self.opt_time = OptimizerTime(device)  # the optimizer's share of the timed loop (train events)
         self.guards = Guards(
@@ -564,7 +575,11 @@ def corpus_facts(paths: dict) -> dict:
 
 
 def run(cfg: DictConfig | TrainConfig) -> RunResult:
-    """Build, warm up, train, validate. Works in one process, under torchrun, or in a test's gloo ranks."""
+    """Build, warm up, train, validate. Works in one process, under torchrun, or in a test's gloo ranks.
+
+    All four run under the route :func:`bf16_matmul_route` picks for the bf16 matmuls (on a CPU without native
+    bf16 GEMM: fp32 GEMMs, track_1_short/perf/cpu_bf16_matmul.py), entered here in every process that trains
+    and left on the way out, also on an error."""
     resolved = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
     resolved_dict = OmegaConf.to_container(resolved, resolve=True)
     tcfg = to_object(cfg)
@@ -577,11 +592,13 @@ def run(cfg: DictConfig | TrainConfig) -> RunResult:
         torch.use_deterministic_algorithms(True)
     trainer = None
     try:
-        trainer = Trainer(tcfg, resolved_dict, device)
-        if tcfg.resume:
-            trainer.resume(tcfg.resume)
-        trainer.warmup()
-        result = trainer.train()
+        # Build, warmup, training and validation: every matmul of the run takes the same route.
+        with cpu_bf16_matmul.route(bf16_matmul_route(tcfg, device)[0]):
+            trainer = Trainer(tcfg, resolved_dict, device)
+            if tcfg.resume:
+                trainer.resume(tcfg.resume)
+            trainer.warmup()
+            result = trainer.train()
     except KeyboardInterrupt as e:
         raise run_report.RunInterrupted(trainer) from e
     finally:
@@ -590,6 +607,13 @@ def run(cfg: DictConfig | TrainConfig) -> RunResult:
     result.trainer = trainer
     result.summary = run_report.finish(trainer, result)
     return result
+
+
+def bf16_matmul_route(cfg: TrainConfig, device: torch.device) -> tuple[str, str]:
+    """("fp32" | "native", why) for this run's bf16 matmuls (``cpu_bf16_matmul``). A run compiles when its
+    model is compiled (CUDA only) or its bank update is (``optim.bank_update=compiled``, on any device)."""
+    compiles = (device.type == "cuda" and cfg.compile) or cfg.optim.bank_update == "compiled"
+    return cpu_bf16_matmul.resolve(cfg.cpu_bf16_matmul, device.type, compiles)
 
 
 def apply_cpu_threads(cfg: TrainConfig, device: torch.device) -> None:
