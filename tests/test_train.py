@@ -373,12 +373,18 @@ def test_ctrl_c_exits_130_with_one_paragraph_naming_the_checkpoint_and_the_resum
         text=True,
     )
     ckpts = tmp_path / "c" / "checkpoints"
-    deadline = time.monotonic() + 90
-    while not (ckpts / "latest").is_file() and time.monotonic() < deadline and proc.poll() is None:
+    start = time.monotonic()
+    while not (ckpts / "latest").is_file() and time.monotonic() < start + 90 and proc.poll() is None:
         time.sleep(0.05)
+    waited = time.monotonic() - start
+    # A run that ends before the signal is sent tests nothing: say what the poll saw.
+    assert proc.poll() is None, (
+        f"the run exited ({proc.returncode}) after {waited:.1f} s before it was interrupted; checkpoints: "
+        f"{sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else 'none'}; {proc.communicate()}"
+    )
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 130, (f"after {waited:.1f} s", err)
     # The phase lines (data, build, ...) come first; the interruption is one paragraph, the last line.
     lines = [line for line in err.splitlines() if line.strip()]
     assert "Traceback" not in err and lines[-1].startswith("interrupted at step"), err
