@@ -371,6 +371,9 @@ def test_ctrl_c_exits_130_with_one_paragraph_naming_the_checkpoint_and_the_resum
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A shell starts background jobs with SIGINT ignored, and Python then leaves it ignored (no
+        # KeyboardInterrupt): give the run the disposition of a run started from a terminal.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     ckpts = tmp_path / "c" / "checkpoints"
     start = time.monotonic()
