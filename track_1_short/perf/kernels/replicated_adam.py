@@ -37,6 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
+from track_1_short.perf.kernels.bf16_bits import round_to_bf16_bits as _round_to_bf16_bits
+from track_1_short.perf.kernels.bf16_bits import widen_bf16 as _widen_bf16
+
 SCALAR_COLUMNS = (
     "beta1",
     "one_minus_beta1",
@@ -58,22 +61,6 @@ STEP_INPUTS = ("lr", "lr_mul", "weight_decay", "wd_mul", "step", "active")
 
 DEFAULT_BLOCK = 1024  # elements per program on the GPU (upstream's choice; 4 warps)
 _NUM_WARPS = 4
-
-
-@triton.jit
-def _widen_bf16(bits):
-    # int16 bit pattern -> fp32 with the same value (exact).
-    return (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_to_bf16_bits(x):
-    # fp32 -> bf16 bit pattern, round to nearest even; NaN -> the canonical 0x7FFF.
-    bits = x.to(tl.uint32, bitcast=True)
-    lsb = (bits >> 16) & 1
-    rounded = ((bits + 0x7FFF + lsb) >> 16).to(tl.uint16)
-    rounded = tl.where(x != x, 0x7FFF, rounded).to(tl.uint16)
-    return rounded.to(tl.int16, bitcast=True)
 
 
 @triton.jit
