@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from track_1_short.model.attention import ATTENTION_IMPLS, AttnSpec, PackedSequence, causal_self_attention
 from track_1_short.model.layers import (
+    LOSS_IMPLS,
     document_ids,
     document_starts,
     lookback_starts,
@@ -263,6 +264,9 @@ class ModelConfig:
     """lm_head ~ N(0, std^2); embed starts as its transpose."""
     loss_chunk_rows: int = 4096
     """Rows of the [rows, vocab] logit block the loss builds at a time (memory and speed only; row-local)."""
+    loss_impl: str = "auto"
+    """The training loss between its GEMMs: "auto" (the fused Triton kernel on CUDA, the reference path
+    elsewhere), "reference" (eager torch ops) or "fused" (on a CPU only under TRITON_INTERPRET=1)."""
 
     # -- numerics and checks --
     compute_dtype: str = "bfloat16"
@@ -316,6 +320,8 @@ class ModelConfig:
             fail(f"compute_dtype={self.compute_dtype!r} must be one of {sorted(COMPUTE_DTYPES)}.")
         if self.attention_impl not in ATTENTION_IMPLS:
             fail(f"attention_impl={self.attention_impl!r} must be one of {list(ATTENTION_IMPLS)}.")
+        if self.loss_impl not in LOSS_IMPLS:
+            fail(f"loss_impl={self.loss_impl!r} must be one of {list(LOSS_IMPLS)}.")
         n = self.num_layers
         lists = (
             "attn_layers",
@@ -934,16 +940,10 @@ class GPT(nn.Module):
         # dtype, then fp32 CE); a training forward with the chunked fused loss (fp32 softcap).
         evaluation = not (self.training and torch.is_grad_enabled())
         loss = softcapped_cross_entropy_eval_sum if evaluation else softcapped_cross_entropy_sum
-        return loss(
-            hidden,
-            self.lm_head,
-            targets,
-            mtp,
-            cfg.logit_cap,
-            cfg.logit_shift,
-            cfg.logit_temperature,
-            cfg.loss_chunk_rows,
-        )
+        args = (cfg.logit_cap, cfg.logit_shift, cfg.logit_temperature, cfg.loss_chunk_rows)
+        if evaluation:
+            return loss(hidden, self.lm_head, targets, mtp, *args)
+        return loss(hidden, self.lm_head, targets, mtp, *args, cfg.loss_impl)
 
     @torch.no_grad()
     def val_loss_sum(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, windows) -> Tensor:

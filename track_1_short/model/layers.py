@@ -137,11 +137,65 @@ def mtp_row_weights(mtp_weights: Tensor, num_tokens: int) -> tuple[Tensor, Tenso
     return valid, mtp_weights.float().sum().expand(num_tokens)
 
 
+LOSS_IMPLS = ("auto", "reference", "fused")
+
+
 def as_mtp_tensor(mtp_weights, device) -> Tensor:
     """The MTP weights as an fp32 [K] tensor on ``device`` (a list, a tuple or a tensor)."""
     if isinstance(mtp_weights, Tensor):
         return mtp_weights.to(device=device, dtype=torch.float32)
     return torch.tensor([float(w) for w in mtp_weights], dtype=torch.float32, device=device)
+
+
+def _reference_block(x, weight, tgt, valid, w_k, row_weight, cap, temperature, chunk_rows, need_grad):
+    """The per-chunk loss and logit gradient in eager torch ops over fp32 [rows, V] buffers (the reference
+    the fused kernel must match): a function (u, lo, hi) -> (loss fp32 0-D, g like u or None)."""
+    # One set of [rows, V] buffers reused by every chunk: a fresh block per chunk would be a fresh mmap on the
+    # CPU, and its page faults cost as much as the arithmetic.
+    rows = min(chunk_rows, x.size(0))
+    shape = (rows, weight.size(1))
+    sig_buf = torch.empty(shape, dtype=torch.float32, device=x.device)
+    exp_buf = torch.empty_like(sig_buf)
+    grad_buf = torch.empty(shape, dtype=x.dtype, device=x.device) if need_grad else None
+    neg_cap = torch.tensor(-cap, dtype=torch.float32, device=x.device)
+
+    def block(u: Tensor, lo: int, hi: int) -> tuple[Tensor, Tensor | None]:
+        s = sig_buf[: hi - lo]
+        s.copy_(u).sigmoid_()  # s = sigmoid((x W + shift) / temperature): [rows, V] fp32
+        # z = cap * s lies in (0, cap]: cap is a safe fixed max for the log-sum-exp (upstream's kernel)
+        e = torch.add(neg_cap, s, alpha=cap, out=exp_buf[: hi - lo]).exp_()  # exp(z - cap)
+        sum_e = e.sum(-1)  # [rows]
+        lse = cap + sum_e.log()  # [rows]
+        t_c, v_c = tgt[:, lo:hi].T, valid[:, lo:hi].T.float()  # [rows, K]
+        s_t = s.gather(1, t_c)  # [rows, K]
+        loss = ((lse[:, None] - cap * s_t) * v_c * w_k).sum()
+        if not need_grad:
+            return loss, None
+        # dLoss/dz = row_weight * softmax(z) - sum_k w_k onehot(target_k) (row_weight: all K weights, as
+        # upstream's kernel, see mtp_row_weights); dz/dlogit = cap/temp * s(1-s).
+        # Built as q = (row_weight * cap/temp / sum_e) * e * s, minus cap/temp * w_k * s_t at the targets,
+        # then g = q (1 - s) = q - q s, rounded once into the compute dtype.
+        q = e.mul_(s).mul_((row_weight[lo:hi] * (cap / temperature) / sum_e)[:, None])
+        q.scatter_add_(1, t_c, -(cap / temperature) * w_k * v_c * s_t)
+        return loss, torch.addcmul(q, q, s, value=-1.0, out=grad_buf[: hi - lo])
+
+    return block
+
+
+def _fused_block(tgt, valid, w_k, row_weight, cap, temperature, need_grad):
+    """The per-chunk loss and logit gradient as one Triton kernel over the GEMM's output, the gradient
+    written over it (track_1_short/perf/kernels/softcapped_ce.py): the same contract as _reference_block."""
+    from track_1_short.perf.kernels.softcapped_ce import softcapped_ce_rows_
+
+    targets_kt = tgt.contiguous()
+    coef = (valid.float() * w_k[:, None]).contiguous()  # [K, T]: target k's weight, 0 past the batch's end
+    row_weight = row_weight.float().contiguous()
+
+    def block(u: Tensor, lo: int, hi: int) -> tuple[Tensor, Tensor | None]:
+        loss_rows = softcapped_ce_rows_(u, targets_kt, coef, row_weight, lo, cap, temperature, need_grad)
+        return loss_rows.sum(), (u if need_grad else None)
+
+    return block
 
 
 @torch.library.custom_op("track_1_short::softcapped_ce_sum", mutates_args=())
@@ -155,6 +209,7 @@ def _softcapped_ce_sum(
     temperature: float,
     chunk_rows: int,
     need_grad: bool,
+    impl: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss fp32 0-D, dloss/dx like x, dloss/dweight like weight); the gradients are empty without need_grad.
 
@@ -163,6 +218,10 @@ def _softcapped_ce_sum(
     CE does the same on the GPU), and the [rows, V] buffers are reused from chunk to chunk. On the 2-core dev
     CPU (one thread, T = 2048, tiny model, bf16) this loss takes ~0.55 s of the ~0.8 s forward + backward
     (plain autograd ops: ~3.5 s).
+
+    impl "reference": eager torch ops over fp32 [rows, V] buffers; "fused": one Triton kernel per chunk
+    between the same GEMMs (track_1_short/perf/kernels/softcapped_ce.py, which says what it saves and how
+    closely it agrees).
     """
     # x [T, D] (compute dtype), weight [D, V], targets int64 [T], mtp_weights fp32 [K].
     num_tokens, k = x.size(0), mtp_weights.numel()
@@ -173,47 +232,29 @@ def _softcapped_ce_sum(
         torch.arange(num_tokens, device=x.device)[None, :] + torch.arange(k, device=x.device)[:, None]
     ).clamp(max=num_tokens - 1)
     tgt = targets[idx]
+    if impl == "fused":
+        block = _fused_block(tgt, valid, w_k, row_weight, cap, temperature, need_grad)
+    else:
+        block = _reference_block(
+            x, weight, tgt, valid, w_k, row_weight, cap, temperature, chunk_rows, need_grad
+        )
     weight_c = weight.to(x.dtype)
     bias = torch.full((1, weight.size(1)), shift, dtype=x.dtype, device=x.device)
-    neg_cap = torch.tensor(-cap, dtype=torch.float32, device=x.device)
     total = torch.zeros((), dtype=torch.float32, device=x.device)
-    # One set of [rows, V] buffers reused by every chunk: a fresh block per chunk would be a fresh mmap on the
-    # CPU, and its page faults cost as much as the arithmetic.
-    rows = min(chunk_rows, num_tokens)
-    logit_buf = torch.empty((rows, weight.size(1)), dtype=x.dtype, device=x.device)
-    sig_buf = logit_buf if x.dtype == torch.float32 else torch.empty_like(logit_buf, dtype=torch.float32)
-    exp_buf = torch.empty_like(sig_buf)
+    logit_buf = torch.empty((min(chunk_rows, num_tokens), weight.size(1)), dtype=x.dtype, device=x.device)
     grad_x = torch.empty_like(x) if need_grad else x.new_empty(0)
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_grad else None
-    if need_grad:
-        grad_buf = torch.empty_like(logit_buf)
-        grad_w_part = None if x.dtype == torch.float32 else torch.empty_like(weight_c)
+    grad_w_part = torch.empty_like(weight_c) if need_grad and x.dtype != torch.float32 else None
+    inv_t = 1.0 / temperature
     for lo in range(0, num_tokens, chunk_rows):
         hi = min(lo + chunk_rows, num_tokens)
         xc = x[lo:hi]
-        # s = sigmoid((x W + shift) / temperature), the bias and scale fused into the GEMM: [rows, V] fp32
-        inv_t = 1.0 / temperature
+        # u = (x W + shift) / temperature, the bias and scale fused into the GEMM
         u = torch.addmm(bias, xc, weight_c, beta=inv_t, alpha=inv_t, out=logit_buf[: hi - lo])
-        s = sig_buf[: hi - lo]
-        if sig_buf is not logit_buf:
-            s.copy_(u)
-        s.sigmoid_()
-        # z = cap * s lies in (0, cap]: cap is a safe fixed max for the log-sum-exp (upstream's kernel)
-        e = torch.add(neg_cap, s, alpha=cap, out=exp_buf[: hi - lo]).exp_()  # exp(z - cap)
-        sum_e = e.sum(-1)  # [rows]
-        lse = cap + sum_e.log()  # [rows]
-        t_c, v_c = tgt[:, lo:hi].T, valid[:, lo:hi].T.float()  # [rows, K]
-        s_t = s.gather(1, t_c)  # [rows, K]
-        total += ((lse[:, None] - cap * s_t) * v_c * w_k).sum()
+        loss, g = block(u, lo, hi)
+        total += loss
         if not need_grad:
             continue
-        # dLoss/dz = row_weight * softmax(z) - sum_k w_k onehot(target_k) (row_weight: all K weights, as
-        # upstream's kernel, see mtp_row_weights); dz/dlogit = cap/temp * s(1-s).
-        # Built as q = (row_weight * cap/temp / sum_e) * e * s, minus cap/temp * w_k * s_t at the targets,
-        # then g = q (1 - s) = q - q s, rounded once into the compute dtype.
-        q = e.mul_(s).mul_((row_weight[lo:hi] * (cap / temperature) / sum_e)[:, None])
-        q.scatter_add_(1, t_c, -(cap / temperature) * w_k * v_c * s_t)
-        g = torch.addcmul(q, q, s, value=-1.0, out=grad_buf[: hi - lo])
         torch.mm(g, weight_c.T, out=grad_x[lo:hi])
         if grad_w_part is None:
             grad_w.addmm_(xc.T, g)
@@ -224,7 +265,9 @@ def _softcapped_ce_sum(
 
 
 @_softcapped_ce_sum.register_fake
-def _softcapped_ce_sum_fake(x, weight, targets, mtp_weights, cap, shift, temperature, chunk_rows, need_grad):
+def _softcapped_ce_sum_fake(
+    x, weight, targets, mtp_weights, cap, shift, temperature, chunk_rows, need_grad, impl
+):
     total = x.new_empty((), dtype=torch.float32)
     if not need_grad:
         return total, x.new_empty(0), weight.new_empty(0)
@@ -240,7 +283,7 @@ def _softcapped_ce_backward(ctx, grad_out, _grad_x_out, _grad_w_out):
     # The loss is a sum: backward only scales the gradients the forward stored by the incoming scalar.
     grad_x, grad_w = ctx.saved_tensors
     g = grad_out.to(torch.float32)
-    return (grad_x * g.to(grad_x.dtype), grad_w * g.to(grad_w.dtype)) + (None,) * 7
+    return (grad_x * g.to(grad_x.dtype), grad_w * g.to(grad_w.dtype)) + (None,) * 8
 
 
 _softcapped_ce_sum.register_autograd(_softcapped_ce_backward, setup_context=_softcapped_ce_setup)
@@ -289,6 +332,7 @@ def softcapped_cross_entropy_sum(
     shift: float,
     temperature: float,
     chunk_rows: int,
+    impl: str = "reference",
 ) -> Tensor:
     """Summed multi-token softcapped CE of hidden states x [T, D] against lm_head ``weight`` [D, V]; fp32 0-D.
 
@@ -301,7 +345,14 @@ def softcapped_cross_entropy_sum(
     model never learned (tests/model/test_compiled_loss.py, GPU). As an op it runs the same eager kernels
     inside any graph; the MTP weights arrive as a tensor, so a weight that changes every step is data, not a
     new graph.
+
+    impl: one of LOSS_IMPLS; "auto" is "fused" on CUDA, "reference" elsewhere (the interpreter runs the
+    kernel on a CPU, but slower than the eager ops).
     """
+    if impl not in LOSS_IMPLS:
+        raise ValueError(f"loss impl {impl!r} must be one of {list(LOSS_IMPLS)} (model.loss_impl).")
+    if impl == "auto":
+        impl = "fused" if x.is_cuda else "reference"
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     loss, _, _ = _softcapped_ce_sum(
         x,
@@ -313,5 +364,6 @@ def softcapped_cross_entropy_sum(
         temperature,
         chunk_rows,
         need_grad,
+        impl,
     )
     return loss

@@ -1,0 +1,150 @@
+"""Triton kernel of the fused softcapped cross-entropy: one program per row of a [rows, V] logit block.
+
+``softcapped_ce_rows_`` takes the sigmoid's argument u = (x W + shift) / temperature of a chunk of rows (the
+GEMM's output, bf16 or fp32), and per row computes with s = sigmoid(u), z = cap * s:
+- the loss sum_k c_k (lse - z[t_k]), lse = cap + log(sum_j exp(z_j - cap)) (z <= cap: cap is a safe fixed max,
+  so one pass sums the exponentials without rescaling), c_k = mtp weight k x (target t + k exists);
+- with WRITE_GRAD, the gradient with respect to the logit l = x W (u = (l + shift) / temperature), over u in
+  place and in u's dtype: dz/dl = (cap / temperature) s (1 - s), so with
+  q = row_weight x (cap / temperature) x exp(z - cap) x s / sum_e, minus (cap / temperature) x c_k x s[t_k] at
+  each target t_k, g = q (1 - s), computed as q - q s (the reference's rounding order).
+
+Two passes over the row (the sum, then the gradient) read u twice and write g once: about 3 x 2 bytes per
+logit in bf16, where the reference (model/layers.py, eager torch ops over fp32 [rows, V] buffers) moves about
+60. Each element is read and then written by the same program only, so the in-place gradient is race-free.
+bf16 loads widen exactly and bf16 stores round to nearest even in integer arithmetic (kernels/bf16_bits.py),
+so the interpreter and the GPU round alike. exp, log and sigmoid are Triton's (approximate on the GPU, within
+a few fp32 ulps), and the row sum is a tree: results agree with the reference to a bound, not bitwise
+(tests/perf/test_softcapped_ce.py says which and why).
+
+The idea, computing the loss and the logit gradient in one pass over a chunk's logits so that no fp32 [rows,
+V] intermediate is ever written, is the fused cross-entropy of upstream's record (its Triton cross-entropy
+kernel for the softcapped head) and of Liger-style fused linear cross-entropy; this kernel is written for this
+project's MTP targets and rounding order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from track_1_short.perf.kernels.bf16_bits import round_to_bf16_bits, widen_bf16
+
+BLOCK_GPU = 2048  # columns per loop iteration: 8 warps x 32 lanes x 8 elements
+BLOCK_INTERPRETER = 1 << 16  # one numpy operation per row under the interpreter
+_NUM_WARPS = 8
+
+
+@triton.jit
+def _load_u(row_ptr, cols, mask, IS_BF16: tl.constexpr):
+    if IS_BF16:
+        return widen_bf16(tl.load(row_ptr + cols, mask=mask, other=0))
+    return tl.load(row_ptr + cols, mask=mask, other=0.0)
+
+
+@triton.jit
+def _softcapped_ce_rows_kernel(
+    u_ptr,  # [rows, V] (int16 bits when IS_BF16), row stride u_stride; the gradient overwrites it
+    u_stride,
+    tgt_ptr,  # int64 [K, tgt_stride]: targets of row r at column lo + r (clamped where invalid)
+    coef_ptr,  # fp32 [K, tgt_stride]: mtp weight k where target t + k exists, else 0
+    row_weight_ptr,  # fp32 [tgt_stride]: softmax normaliser weight per row
+    loss_ptr,  # fp32 [rows] out
+    tgt_stride,
+    lo,
+    V,
+    cap,
+    grad_scale,  # cap / temperature
+    K: tl.constexpr,
+    KP: tl.constexpr,  # K rounded up to a power of two (Triton's vector sizes)
+    IS_BF16: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row_ptr = u_ptr + row.to(tl.int64) * u_stride
+    col = lo + row
+    cols = tl.arange(0, BLOCK)
+
+    # The K targets of this row as one small vector, read before pass 2 overwrites any of the row with its
+    # gradient (a target's sigmoid is needed after its column may already hold g).
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    t_vec = tl.load(tgt_ptr + ks * tgt_stride + col, mask=kmask, other=0)
+    c_vec = tl.load(coef_ptr + ks * tgt_stride + col, mask=kmask, other=0.0)
+    s_t = tl.sigmoid(_load_u(row_ptr, t_vec, kmask, IS_BF16))
+
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        mask = idx < V
+        s = tl.sigmoid(_load_u(row_ptr, idx, mask, IS_BF16))
+        acc += tl.where(mask, tl.exp(cap * s - cap), 0.0)
+    sum_e = tl.sum(acc, axis=0)
+    lse = cap + tl.log(sum_e)
+    tl.store(loss_ptr + row, tl.sum(tl.where(kmask, c_vec * (lse - cap * s_t), 0.0), axis=0))
+
+    if WRITE_GRAD:
+        scale = tl.math.div_rn(tl.load(row_weight_ptr + col) * grad_scale, sum_e)
+        d_vec = tl.where(kmask, -grad_scale * c_vec * s_t, 0.0)  # the one-hot term of each target
+        for start in range(0, V, BLOCK):
+            idx = start + cols
+            mask = idx < V
+            s = tl.sigmoid(_load_u(row_ptr, idx, mask, IS_BF16))
+            q = tl.exp(cap * s - cap) * s * scale
+            # Repeated targets add up, as the reference's scatter_add does.
+            q += tl.sum(tl.where(idx[:, None] == t_vec[None, :], d_vec[None, :], 0.0), axis=1)
+            g = q - q * s
+            if IS_BF16:
+                tl.store(row_ptr + idx, round_to_bf16_bits(g), mask=mask)
+            else:
+                tl.store(row_ptr + idx, g, mask=mask)
+
+
+def softcapped_ce_rows_(
+    u: torch.Tensor,
+    targets: torch.Tensor,
+    coef: torch.Tensor,
+    row_weight: torch.Tensor,
+    lo: int,
+    cap: float,
+    temperature: float,
+    write_grad: bool,
+) -> torch.Tensor:
+    """Per-row losses (fp32 [rows]) of the logit block ``u`` [rows, V], the rows lo .. lo + rows of the batch.
+
+    u: the sigmoid's argument (x W + shift) / temperature, bf16 or fp32, rows contiguous; with ``write_grad``
+    it is overwritten by d(loss)/du in its own dtype. targets int64 [K, T] (clamped to the batch), coef fp32
+    [K, T] (the weight of target k of row t, 0 where t + k >= T), row_weight fp32 [T] (the softmax
+    normaliser weight of every row). All on u's device.
+    """
+    rows, vocab = u.shape
+    k = targets.size(0)
+    if u.dtype not in (torch.bfloat16, torch.float32) or u.stride(1) != 1:
+        raise ValueError(f"softcapped_ce_rows_: u must be bf16 or fp32 with contiguous rows, got {u.dtype}")
+    if targets.shape != coef.shape or not (targets.is_contiguous() and coef.is_contiguous()):
+        raise ValueError("softcapped_ce_rows_: targets and coef must be contiguous [K, T] tensors")
+    loss = torch.empty(rows, dtype=torch.float32, device=u.device)
+    is_bf16 = u.dtype == torch.bfloat16
+    on_gpu = u.device.type == "cuda"
+    _softcapped_ce_rows_kernel[(rows,)](
+        u.view(torch.int16) if is_bf16 else u,
+        u.stride(0),
+        targets,
+        coef,
+        row_weight,
+        loss,
+        targets.size(1),
+        lo,
+        vocab,
+        float(cap),
+        float(cap) / float(temperature),
+        K=k,
+        KP=max(2, triton.next_power_of_2(k)),
+        IS_BF16=is_bf16,
+        WRITE_GRAD=write_grad,
+        BLOCK=BLOCK_GPU if on_gpu else min(BLOCK_INTERPRETER, triton.next_power_of_2(vocab)),
+        num_warps=_NUM_WARPS,
+    )
+    return loss
