@@ -3,10 +3,13 @@
 #   bash perf/run_gpu.sh                              # all stages, in this order:
 #   bash perf/run_gpu.sh tests train_step results     # or only the named ones (to fit a time limit)
 # Stages: preset          python -m track_1_short.train experiment=record_1gpu -> perf/results/record_1gpu.json
+#                         (PRESET_ARGS="model.loss_impl=reference" PRESET_NAME=record_1gpu_loss_reference:
+#                         extra overrides, and the name of the run and its JSON, for a before/after pair)
 #         tests           python3 -m pytest -m gpu -q                      (log: pytest_gpu.log)
 #         replicated_adam perf/bench_replicated_adam.py -> perf/results/replicated_adam.json
 #         optimizer       perf/bench_optimizer.py       -> perf/results/optimizer.json
 #         train_step      perf/bench_train_step.py      -> perf/results/train_step.json
+#         loss            perf/bench_loss.py            -> perf/results/loss.json
 #         scaling         perf/scaling.py (the preset through torchrun on 1 and all GPUs; skipped on one GPU)
 #                                                       -> perf/results/scaling.json
 #         results         perf/results.py               -> perf/RESULTS.md (from every JSON in perf/results/)
@@ -15,12 +18,13 @@
 # A failing stage is reported loudly and the later stages still run (GPU time is scarce); the script then
 # exits 1 naming the failed stages. With $OUT set, the logs grow there and each stage's JSON (and RESULTS.md)
 # is copied there when the stage ends, so a run cut short still hands back what it did. Flat names, at most
-# 10 files: pytest_gpu.log, bench.log, record_1gpu_log.txt, record_1gpu_events.jsonl, record_1gpu.json,
-# replicated_adam.json, optimizer.json, train_step.json, scaling.json, RESULTS.md.
+# 10 files come back from a lent machine, so name fewer stages there: pytest_gpu.log, bench.log,
+# <name>_log.txt, <name>_events.jsonl, <name>.json, replicated_adam.json, optimizer.json, train_step.json,
+# loss.json, scaling.json, RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-all_stages=(preset tests replicated_adam optimizer train_step scaling results)
+all_stages=(preset tests replicated_adam optimizer train_step loss scaling results)
 stages=("$@")
 [[ ${#stages[@]} -gt 0 ]] || stages=("${all_stages[@]}")
 for s in "${stages[@]}"; do
@@ -110,19 +114,22 @@ bench() {  # name: perf/bench_<name>.py --out perf/results/<name>.json
 
 preset() {  # the one-GPU record preset through the trainer, then its figures (perf/run_summary.py)
   # The run directory stays out of $OUT (a run writes more files than come back); its log and events do.
-  local runs cmd=(python3 -m track_1_short.train experiment=record_1gpu)
+  local name=${PRESET_NAME:-record_1gpu} runs date
+  local cmd=(python3 -m track_1_short.train experiment=record_1gpu)
+  # PRESET_ARGS is a list of Hydra overrides: split on spaces on purpose.
+  # shellcheck disable=SC2206
+  [[ -z ${PRESET_ARGS:-} ]] || cmd+=(${PRESET_ARGS})
   runs=$(mktemp -d "${TMPDIR:-/tmp}/record_1gpu.XXXXXX")
-  local date
   date=$(date -u +%FT%T+00:00)
-  "${cmd[@]}" runs_root="$runs" run_name=record_1gpu 2>&1 | tee -a "$log" || return
+  "${cmd[@]}" runs_root="$runs" run_name="$name" 2>&1 | tee -a "$log" || return
   if [[ -n ${OUT:-} ]]; then
-    cp "$runs/record_1gpu/log.txt" "$OUT/record_1gpu_log.txt"
-    cp "$runs/record_1gpu/events.jsonl" "$OUT/record_1gpu_events.jsonl"
+    cp "$runs/$name/log.txt" "$OUT/${name}_log.txt"
+    cp "$runs/$name/events.jsonl" "$OUT/${name}_events.jsonl"
   fi
-  python3 perf/run_summary.py "$runs/record_1gpu" --out perf/results/record_1gpu.json --date "$date" \
+  python3 perf/run_summary.py "$runs/$name" --out "perf/results/$name.json" --date "$date" \
     --command "${cmd[*]}" --commit "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" 2>&1 | tee -a "$log" \
     || return
-  hand_back perf/results/record_1gpu.json
+  hand_back "perf/results/$name.json"
 }
 
 scaling() {  # only with several GPUs: on one, its K = 1 run is the preset stage's

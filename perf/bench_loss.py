@@ -1,0 +1,148 @@
+"""The training loss at the record's micro-batch: ms per forward + backward for each ``model.loss_impl``.
+
+    python perf/bench_loss.py --out perf/results/loss.json                      # CUDA, the record's shapes
+    python perf/bench_loss.py --device cpu --tokens 512 --vocab 2176 --out /tmp/loss.json   # CPU, small
+
+Times ``softcapped_cross_entropy_sum`` (model/layers.py, the trainer's own loss) on hidden states x [T, D]
+and the lm_head [D, V] in bf16, with the record's three MTP weights, for each implementation: its forward
+(which computes the gradients, chunk by chunk) and the backward that scales them. Rows, one per impl:
+
+- ``ms``: median over ``--steps`` after ``--warmup`` (CUDA events on the GPU, perf_counter on the CPU), with
+  ``ms_min`` and ``ms_max``; ``vs_reference``: the reference row's ``ms`` over this row's;
+- ``ms_floor``: the three GEMMs (logits, grad_x, grad_w: 6 T D V FLOPs) at the bf16 matmul rate measured in
+  the same run, plus the fused kernel's least traffic (read the bf16 logits twice, write the gradient once:
+  6 bytes per logit) at the device-to-device copy rate measured in the same run;
+- ``loss_rel_diff``, ``grad_x_rel_diff``, ``grad_w_rel_diff``: this impl against the reference (relative
+  norm of the difference), the agreement tests/perf/test_softcapped_ce.py bounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from track_1_short.model.layers import LOSS_IMPLS, softcapped_cross_entropy_sum
+from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
+
+RECORD_MTP = [1.0, 0.5, 0.25]  # the record's stage-0 MTP weights (schedule track1)
+
+
+def _timer(device: torch.device):
+    """A function that runs fn once and returns its time in ms (device time through events on CUDA)."""
+
+    def cuda_time(fn) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def cpu_time(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    return cuda_time if device.type == "cuda" else cpu_time
+
+
+def matmul_tflops(device: torch.device, n: int, timer, reps: int = 5) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    times = [timer(lambda: a @ b) for _ in range(reps + 1)][1:]
+    return 2 * n**3 / (statistics.median(times) * 1e-3) / 1e12
+
+
+def copy_bytes_per_s(device: torch.device, numel: int, timer, reps: int = 5) -> float:
+    src = torch.empty(numel, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    times = [timer(lambda: dst.copy_(src)) for _ in range(reps + 1)][1:]
+    return 2 * src.nbytes / (statistics.median(times) * 1e-3)  # read + written
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    timer = _timer(device)
+    g = torch.Generator().manual_seed(0)
+    t, d, v = args.tokens, args.dim, args.vocab
+    x = torch.randn(t, d, generator=g).to(device=device, dtype=torch.bfloat16)
+    w = (torch.randn(d, v, generator=g) * 0.02).to(device=device, dtype=torch.bfloat16)
+    targets = torch.randint(0, v, (t,), generator=g).to(device)
+    mtp = torch.tensor(RECORD_MTP, device=device)
+    on_gpu = device.type == "cuda"
+    tflops = matmul_tflops(device, 8192 if on_gpu else 512, timer)
+    copy_rate = copy_bytes_per_s(device, 1 << 28 if on_gpu else 1 << 22, timer)
+    floor_ms = (6 * t * d * v / (tflops * 1e12) + 6 * t * v / copy_rate) * 1e3
+
+    results = {}
+    for impl in args.impls:
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+        def step(xx=xx, ww=ww, impl=impl):
+            xx.grad = ww.grad = None
+            softcapped_cross_entropy_sum(
+                xx, ww, targets, mtp, 23.0, 5.0, 7.5, args.chunk_rows, impl
+            ).backward()
+
+        for _ in range(args.warmup):
+            step()
+        times = [timer(step) for _ in range(args.steps)]
+        loss = softcapped_cross_entropy_sum(xx, ww, targets, mtp, 23.0, 5.0, 7.5, args.chunk_rows, impl)
+        results[impl] = (times, loss.detach().float(), xx.grad.float(), ww.grad.float())
+
+    ref = results.get("reference")
+    rows = []
+    for impl, (times, loss, gx, gw) in results.items():
+        row = {
+            "impl": impl,
+            "tokens": t,
+            "vocab": v,
+            "ms": statistics.median(times),
+            "ms_floor": floor_ms,
+            "ms_min": min(times),
+            "ms_max": max(times),
+        }
+        if ref is not None:
+            row["vs_reference"] = statistics.median(ref[0]) / row["ms"]
+            for name, a, b in (("loss", loss, ref[1]), ("grad_x", gx, ref[2]), ("grad_w", gw, ref[3])):
+                row[f"{name}_rel_diff"] = ((a - b).norm() / b.norm()).item()
+        rows.append(row)
+    return {
+        **bench_metadata(sys.argv, device),
+        "title": "Training loss (softcapped MTP cross-entropy), forward + backward",
+        "matmul_tflops_measured": tflops,
+        "copy_gb_per_s_measured": copy_rate / 1e9,
+        "chunk_rows": args.chunk_rows,
+        "rows": rows,
+    }
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=int, default=32768, help="rows T (the record preset's micro-batch)")
+    p.add_argument("--dim", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=50304, help="V (GPT-2's, padded to 128)")
+    p.add_argument("--chunk-rows", type=int, default=4096, help="model.loss_chunk_rows")
+    p.add_argument("--impls", nargs="+", default=["reference", "fused"], choices=[i for i in LOSS_IMPLS])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    payload = run(args)
+    write_bench_json(args.out, payload)
+    for row in payload["rows"]:
+        print({k: (round(val, 4) if isinstance(val, float) else val) for k, val in row.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
