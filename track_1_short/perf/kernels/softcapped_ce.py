@@ -38,9 +38,12 @@ _NUM_WARPS = 8
 
 @triton.jit
 def _load_u(row_ptr, cols, mask, IS_BF16: tl.constexpr):
+    # One return: Triton type-checks every return of a function, even under a constexpr branch not taken.
     if IS_BF16:
-        return widen_bf16(tl.load(row_ptr + cols, mask=mask, other=0))
-    return tl.load(row_ptr + cols, mask=mask, other=0.0)
+        u = widen_bf16(tl.load(row_ptr + cols, mask=mask, other=0))
+    else:
+        u = tl.load(row_ptr + cols, mask=mask, other=0.0)
+    return u
 
 
 @triton.jit
