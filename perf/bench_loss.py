@@ -25,10 +25,13 @@ import time
 
 import torch
 
+from track_1_short.model.gpt import ModelConfig
 from track_1_short.model.layers import LOSS_IMPLS, softcapped_cross_entropy_sum
 from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
 
 RECORD_MTP = [1.0, 0.5, 0.25]  # the record's stage-0 MTP weights (schedule track1)
+_CFG = ModelConfig()  # the softcap of the track-1 model: logit_cap, logit_shift, logit_temperature
+SOFTCAP = (_CFG.logit_cap, _CFG.logit_shift, _CFG.logit_temperature)
 
 
 def _timer(device: torch.device):
@@ -84,14 +87,12 @@ def run(args) -> dict:
 
         def step(xx=xx, ww=ww, impl=impl):
             xx.grad = ww.grad = None
-            softcapped_cross_entropy_sum(
-                xx, ww, targets, mtp, 23.0, 5.0, 7.5, args.chunk_rows, impl
-            ).backward()
+            softcapped_cross_entropy_sum(xx, ww, targets, mtp, *SOFTCAP, args.chunk_rows, impl).backward()
 
         for _ in range(args.warmup):
             step()
         times = [timer(step) for _ in range(args.steps)]
-        loss = softcapped_cross_entropy_sum(xx, ww, targets, mtp, 23.0, 5.0, 7.5, args.chunk_rows, impl)
+        loss = softcapped_cross_entropy_sum(xx, ww, targets, mtp, *SOFTCAP, args.chunk_rows, impl)
         results[impl] = (times, loss.detach().float(), xx.grad.float(), ww.grad.float())
 
     ref = results.get("reference")

@@ -15,6 +15,7 @@
 #         results         perf/results.py               -> perf/RESULTS.md (from every JSON in perf/results/)
 # The image has torch, triton, numpy, scipy, matplotlib, tqdm and pytest, not hydra-core, omegaconf or
 # antlr4: their wheels travel in .whl/ and are installed into .site/; nothing else is installed.
+# GIT_COMMIT=<sha> names the commit in every JSON, where the machine's copy of .git may be stale.
 # A failing stage is reported loudly and the later stages still run (GPU time is scarce); the script then
 # exits 1 naming the failed stages. With $OUT set, the logs grow there and each stage's JSON (and RESULTS.md)
 # is copied there when the stage ends, so a run cut short still hands back what it did. Flat names, at most
@@ -127,7 +128,8 @@ preset() {  # the one-GPU record preset through the trainer, then its figures (p
     cp "$runs/$name/events.jsonl" "$OUT/${name}_events.jsonl"
   fi
   python3 perf/run_summary.py "$runs/$name" --out "perf/results/$name.json" --date "$date" \
-    --command "${cmd[*]}" --commit "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" 2>&1 | tee -a "$log" \
+    --command "${cmd[*]}" --commit "${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" 2>&1 \
+    | tee -a "$log" \
     || return
   hand_back "perf/results/$name.json"
 }

@@ -87,3 +87,11 @@ def test_write_refuses_nan_naming_where(tmp_path):
     with pytest.raises(ValueError, match=r"payload\.rows\[0\]\.mfu_pct is nan"):
         write_bench_json(tmp_path / "r.json", payload)
     assert not (tmp_path / "r.json").exists()
+
+
+def test_git_commit_from_the_environment_wins_over_the_checkout(monkeypatch):
+    # A GPU machine's copy of the tree may carry a stale .git: run_gpu.sh's GIT_COMMIT names the real one.
+    monkeypatch.setenv("GIT_COMMIT", "0123abc")
+    assert bench_metadata(["perf/bench_x.py"])["git_commit"] == "0123abc"
+    monkeypatch.delenv("GIT_COMMIT")
+    assert bench_metadata(["perf/bench_x.py"])["git_commit"] != "0123abc"

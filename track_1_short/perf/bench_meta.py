@@ -67,7 +67,10 @@ def _package_version(name: str) -> str | None:
 
 
 def _git_commit() -> str | None:
-    # A copy of the tree without .git (a GPU machine's working copy) simply has no commit to record.
+    # GIT_COMMIT wins: a GPU machine's copy of the tree can carry a .git whose HEAD is not the tree it runs.
+    # A copy without .git simply has no commit to record.
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],

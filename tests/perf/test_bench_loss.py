@@ -1,0 +1,30 @@
+"""perf/bench_loss.py on the CPU at a small shape: one row per impl, each compared with the reference."""
+
+import json
+
+import pytest
+
+from tests.perf_scripts import load_perf_script
+from track_1_short.perf.bench_meta import check_bench_payload
+
+bench_loss = load_perf_script("bench_loss")
+
+
+def test_bench_loss_writes_a_row_per_impl_compared_with_the_reference(tmp_path):
+    out = tmp_path / "loss.json"
+    argv = ["--out", str(out), "--device", "cpu", "--tokens", "40", "--dim", "16", "--vocab", "200"]
+    assert bench_loss.main([*argv, "--chunk-rows", "16", "--warmup", "0", "--steps", "2"]) == 0
+    payload = json.loads(out.read_text())
+    check_bench_payload(payload, str(out))
+    rows = {r["impl"]: r for r in payload["rows"]}
+    assert list(rows) == ["reference", "fused"]
+    ref, fused = rows["reference"], rows["fused"]
+    assert ref["vs_reference"] == 1.0 and ref["loss_rel_diff"] == ref["grad_w_rel_diff"] == 0.0
+    assert fused["vs_reference"] == pytest.approx(ref["ms"] / fused["ms"], rel=1e-12)
+    # bf16 inputs, fp32 sums in another order: the loss agrees to a few fp32 ulps, the gradients (bf16 g
+    # from the kernel, fp32 buffers in the reference) to a fraction of a bf16 ulp on average.
+    assert fused["loss_rel_diff"] < 1e-5
+    assert fused["grad_x_rel_diff"] < 4e-3 and fused["grad_w_rel_diff"] < 4e-3
+    for r in rows.values():
+        assert r["ms_min"] <= r["ms"] <= r["ms_max"] and r["ms_floor"] > 0
+    assert payload["chunk_rows"] == 16 and payload["matmul_tflops_measured"] > 0
