@@ -161,8 +161,35 @@ def kernel_breakdown(trace_events: list[dict]) -> dict:
     }
 
 
-def profile_cycle(run_step, first_step: int, n_steps: int) -> dict:
-    """Kernel breakdown of ``n_steps`` consecutive steps under torch.profiler (device activity only)."""
+def top_kernels(trace_events: list[dict], n: int, steps: int) -> list[dict]:
+    """The ``n`` kernels (by name) with the most summed device time in the trace, per step: calls, ms, share.
+
+    Names are cut to 90 characters (Inductor's fused-kernel names run long); the share is of all device time.
+    """
+    device = [e for e in trace_events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
+    total = sum(float(e["dur"]) for e in device)
+    per_name: dict[str, list[float]] = {}
+    for e in device:
+        name = e["name"] if e["cat"] == "kernel" else e["cat"]
+        acc = per_name.setdefault(name, [0.0, 0.0])
+        acc[0] += 1
+        acc[1] += float(e["dur"])
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:n]
+    return [
+        {
+            "kernel": name[:90],
+            "class": kernel_class(name),
+            "calls_per_step": calls / steps,
+            "ms_per_step": us / steps / 1e3,
+            "pct": 100.0 * us / total if total > 0 else None,
+        }
+        for name, (calls, us) in ranked
+    ]
+
+
+def profile_cycle(run_step, first_step: int, n_steps: int, top: int = 0) -> dict:
+    """Kernel breakdown of ``n_steps`` consecutive steps under torch.profiler (device activity only); with
+    ``top``, also the ``top`` costliest kernels under the key "top_kernels"."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -173,7 +200,11 @@ def profile_cycle(run_step, first_step: int, n_steps: int) -> dict:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
-    return kernel_breakdown(trace.get("traceEvents", []))
+    events = trace.get("traceEvents", [])
+    out = kernel_breakdown(events)
+    if top:
+        out["top_kernels"] = top_kernels(events, top, n_steps)
+    return out
 
 
 def step_times(labels: list[str], marks: list[float], steps: int) -> list[tuple[float, float, float]]:
@@ -238,7 +269,9 @@ def joined_boundaries(seen: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
 
 
-def measure_stage(trainer, stage: int, warmup: int, steps: int, matmul_rate: float, profile: bool) -> dict:
+def measure_stage(
+    trainer, stage: int, warmup: int, steps: int, matmul_rate: float, profile: bool, top: int = 0
+) -> dict:
     """Untimed steps from the stage's first step (the first compiles), then ``steps`` timed ones; the row."""
     from track_1_short.config import accumulation_steps
     from track_1_short.model.gpt import flops_per_token
@@ -331,7 +364,7 @@ def measure_stage(trainer, stage: int, warmup: int, steps: int, matmul_rate: flo
     }
     if cuda and profile:
         try:
-            row.update(profile_cycle(run_step, timed_first + steps, adam_every))
+            row.update(profile_cycle(run_step, timed_first + steps, adam_every, top))
         except Exception as e:  # a diagnostic (e.g. no profiler permission here): keep the timings, say why
             print(f"stage {stage}: the kernel breakdown failed: {e}", file=sys.stderr)
             row["profile_error"] = str(e)
@@ -383,6 +416,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--warmup", type=int, default=None, help="untimed steps per stage; the first compiles (4; cpu 2)")
     add("--steps", type=int, default=None, help="timed steps per stage (20; cpu 2)")
     add("--profile", action=argparse.BooleanOptionalAction, default=True, help="CUDA kernel breakdown")
+    add("--top-kernels", type=int, default=25, help="list the N costliest kernels of the profiled cycle")
     add("--matmul-size", type=int, default=None, help="n of the n^3 bf16 matmul rate (8192; cpu 256)")
     add("--out", type=Path, default=None, help="write the JSON result here")
     args = p.parse_args(argv)
@@ -456,19 +490,34 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 rows = []
                 for stage in args.stages:
-                    row = measure_stage(trainer, stage, args.warmup, args.steps, rate, args.profile)
+                    row = measure_stage(
+                        trainer, stage, args.warmup, args.steps, rate, args.profile, args.top_kernels
+                    )
                     rows.append(row)
                     print(stage_note(row), flush=True)
             finally:
                 trainer.loader.close()
                 trainer.log.close()
+    tables = {
+        f"stage {row['stage']}: the costliest kernels of a profiled Adam cycle, per step": row.pop(
+            "top_kernels"
+        )
+        for row in rows
+        if row.get("top_kernels")
+    }
     print_table(rows)
+    for title, table in tables.items():
+        print(title)
+        for k in table:
+            share = f"{k['ms_per_step']:9.3f} ms {k['pct']:5.1f}% x{k['calls_per_step']:<6g}"
+            print(f"  {share} {k['class']:9s} {k['kernel']}")
 
     payload = {
         **meta,
         "title": f"Trainer.train_step, {' '.join(args.overrides)}, world size 1",
         "overrides": args.overrides,
         "rows": rows,
+        **({"tables": tables} if tables else {}),
         "notes": [stage_note(r) for r in rows]
         + [
             "ms_per_step: the Adam cycle's mean of per-kind medians. Floors: the FLOPs (flops_per_token x "

@@ -70,16 +70,17 @@ def test_eval_loss_is_upstreams_bf16_softcap_then_fp32_cross_entropy_bitwise():
     torch.testing.assert_close(chunked, mtp, rtol=1e-6, atol=0)  # chunked fp32 sums: order only
 
 
+@pytest.mark.parametrize("impl", ["reference", "fused"])  # model.loss_impl (fused: the Triton row kernel)
 @pytest.mark.parametrize("mtp", [[1.0], [1.0, 0.5, 0.25]])
 @pytest.mark.parametrize("chunk", [7, 64, 1000])
-def test_chunked_ce_matches_autograd_of_the_plain_loss(mtp, chunk):
+def test_chunked_ce_matches_autograd_of_the_plain_loss(mtp, chunk, impl):
     g = torch.Generator().manual_seed(0)
     t, d, v = 130, 16, 515
     x = torch.randn(t, d, generator=g, dtype=torch.float64).float().requires_grad_()
     w = (torch.randn(d, v, generator=g) * 0.5).requires_grad_()  # fp32 weight: no storage rounding
     targets = torch.randint(0, v, (t,), generator=g)
     targets[5] = targets[6] = targets[7]  # repeated targets share a column in the MTP correction
-    loss = softcapped_cross_entropy_sum(x, w, targets, mtp, CAP, SHIFT, TEMP, chunk)
+    loss = softcapped_cross_entropy_sum(x, w, targets, mtp, CAP, SHIFT, TEMP, chunk, impl)
     loss.backward()
     xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     ref = naive_loss(xr, wr, targets, mtp)

@@ -147,9 +147,10 @@ def as_mtp_tensor(mtp_weights, device) -> Tensor:
     return torch.tensor([float(w) for w in mtp_weights], dtype=torch.float32, device=device)
 
 
-def _reference_block(x, weight, tgt, valid, w_k, row_weight, cap, temperature, chunk_rows, need_grad):
+def _reference_block(x, weight, tgt, valid, w_k, row_weight, cap, shift, temperature, chunk_rows, need_grad):
     """The per-chunk loss and logit gradient in eager torch ops over fp32 [rows, V] buffers (the reference
-    the fused kernel must match): a function (u, lo, hi) -> (loss fp32 0-D, g like u or None)."""
+    the fused kernel must match): a function (l, lo, hi) -> (loss fp32 0-D, g like l or None) of the chunk's
+    logits l = x W; the softcap's argument is (l + shift) * (1 / temperature), formed in fp32."""
     # One set of [rows, V] buffers reused by every chunk: a fresh block per chunk would be a fresh mmap on the
     # CPU, and its page faults cost as much as the arithmetic.
     rows = min(chunk_rows, x.size(0))
@@ -158,10 +159,11 @@ def _reference_block(x, weight, tgt, valid, w_k, row_weight, cap, temperature, c
     exp_buf = torch.empty_like(sig_buf)
     grad_buf = torch.empty(shape, dtype=x.dtype, device=x.device) if need_grad else None
     neg_cap = torch.tensor(-cap, dtype=torch.float32, device=x.device)
+    inv_t = 1.0 / temperature  # applied as an fp32 multiply, as the kernel does
 
     def block(u: Tensor, lo: int, hi: int) -> tuple[Tensor, Tensor | None]:
         s = sig_buf[: hi - lo]
-        s.copy_(u).sigmoid_()  # s = sigmoid((x W + shift) / temperature): [rows, V] fp32
+        s.copy_(u).add_(shift).mul_(inv_t).sigmoid_()  # s = sigmoid((x W + shift) / temperature): fp32
         # z = cap * s lies in (0, cap]: cap is a safe fixed max for the log-sum-exp (upstream's kernel)
         e = torch.add(neg_cap, s, alpha=cap, out=exp_buf[: hi - lo]).exp_()  # exp(z - cap)
         sum_e = e.sum(-1)  # [rows]
@@ -182,7 +184,7 @@ def _reference_block(x, weight, tgt, valid, w_k, row_weight, cap, temperature, c
     return block
 
 
-def _fused_block(tgt, valid, w_k, row_weight, cap, temperature, need_grad):
+def _fused_block(tgt, valid, w_k, row_weight, cap, shift, temperature, need_grad):
     """The per-chunk loss and logit gradient as one Triton kernel over the GEMM's output, the gradient
     written over it (track_1_short/perf/kernels/softcapped_ce.py): the same contract as _reference_block."""
     from track_1_short.perf.kernels.softcapped_ce import softcapped_ce_rows_
@@ -192,7 +194,9 @@ def _fused_block(tgt, valid, w_k, row_weight, cap, temperature, need_grad):
     row_weight = row_weight.float().contiguous()
 
     def block(u: Tensor, lo: int, hi: int) -> tuple[Tensor, Tensor | None]:
-        loss_rows = softcapped_ce_rows_(u, targets_kt, coef, row_weight, lo, cap, temperature, need_grad)
+        loss_rows = softcapped_ce_rows_(
+            u, targets_kt, coef, row_weight, lo, cap, shift, temperature, need_grad
+        )
         return loss_rows.sum(), (u if need_grad else None)
 
     return block
@@ -233,30 +237,35 @@ def _softcapped_ce_sum(
     ).clamp(max=num_tokens - 1)
     tgt = targets[idx]
     if impl == "fused":
-        block = _fused_block(tgt, valid, w_k, row_weight, cap, temperature, need_grad)
+        block = _fused_block(tgt, valid, w_k, row_weight, cap, shift, temperature, need_grad)
     else:
         block = _reference_block(
-            x, weight, tgt, valid, w_k, row_weight, cap, temperature, chunk_rows, need_grad
+            x, weight, tgt, valid, w_k, row_weight, cap, shift, temperature, chunk_rows, need_grad
         )
     weight_c = weight.to(x.dtype)
-    bias = torch.full((1, weight.size(1)), shift, dtype=x.dtype, device=x.device)
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     logit_buf = torch.empty((min(chunk_rows, num_tokens), weight.size(1)), dtype=x.dtype, device=x.device)
     grad_x = torch.empty_like(x) if need_grad else x.new_empty(0)
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_grad else None
-    grad_w_part = torch.empty_like(weight_c) if need_grad and x.dtype != torch.float32 else None
-    inv_t = 1.0 / temperature
+    # One chunk: grad_w is one GEMM (one rounding). Several: their partial products summed in fp32.
+    one_chunk = num_tokens <= chunk_rows
+    grad_w = None
+    if need_grad and not one_chunk:
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+    grad_w_part = torch.empty_like(weight_c) if grad_w is not None and x.dtype != torch.float32 else None
     for lo in range(0, num_tokens, chunk_rows):
         hi = min(lo + chunk_rows, num_tokens)
         xc = x[lo:hi]
-        # u = (x W + shift) / temperature, the bias and scale fused into the GEMM
-        u = torch.addmm(bias, xc, weight_c, beta=inv_t, alpha=inv_t, out=logit_buf[: hi - lo])
-        loss, g = block(u, lo, hi)
+        # The plain logits: the blocks add the shift and divide by the temperature in fp32 (an addmm with a
+        # broadcast bias would first write the bias over the whole [rows, V] output, then read it back).
+        logits = torch.mm(xc, weight_c, out=logit_buf[: hi - lo])
+        loss, g = block(logits, lo, hi)
         total += loss
         if not need_grad:
             continue
         torch.mm(g, weight_c.T, out=grad_x[lo:hi])
-        if grad_w_part is None:
+        if one_chunk:
+            grad_w = torch.mm(xc.T, g)
+        elif grad_w_part is None:
             grad_w.addmm_(xc.T, g)
         else:
             grad_w.add_(torch.mm(xc.T, g, out=grad_w_part))

@@ -1,21 +1,25 @@
 """Triton kernel of the fused softcapped cross-entropy: one program per row of a [rows, V] logit block.
 
-``softcapped_ce_rows_`` takes the sigmoid's argument u = (x W + shift) / temperature of a chunk of rows (the
-GEMM's output, bf16 or fp32), and per row computes with s = sigmoid(u), z = cap * s:
+``softcapped_ce_rows_`` takes a chunk's logits l = x W (the GEMM's output, bf16 or fp32, no bias: the shift
+and temperature are applied here, in fp32, so the GEMM needs no broadcast bias materialised over [rows, V]
+first), and per row computes with u = (l + shift) * (1 / temperature), s = sigmoid(u), z = cap * s:
 - the loss sum_k c_k (lse - z[t_k]), lse = cap + log(sum_j exp(z_j - cap)) (z <= cap: cap is a safe fixed max,
   so one pass sums the exponentials without rescaling), c_k = mtp weight k x (target t + k exists);
-- with WRITE_GRAD, the gradient with respect to the logit l = x W (u = (l + shift) / temperature), over u in
-  place and in u's dtype: dz/dl = (cap / temperature) s (1 - s), so with
-  q = row_weight x (cap / temperature) x exp(z - cap) x s / sum_e, minus (cap / temperature) x c_k x s[t_k] at
-  each target t_k, g = q (1 - s), computed as q - q s (the reference's rounding order).
+- with WRITE_GRAD, the gradient with respect to the logit l, over l in place and in l's dtype:
+  dz/dl = (cap / temperature) s (1 - s), so with q = row_weight x (cap / temperature) x exp(z - cap) x s /
+  sum_e, minus (cap / temperature) x c_k x s[t_k] at each target t_k, g = q (1 - s), computed as q - q s (the
+  reference's rounding order).
 
-Two passes over the row (the sum, then the gradient) read u twice and write g once: about 3 x 2 bytes per
+Two passes over the row (the sum, then the gradient) read l twice and write g once: about 3 x 2 bytes per
 logit in bf16, where the reference (model/layers.py, eager torch ops over fp32 [rows, V] buffers) moves about
-60. Each element is read and then written by the same program only, so the in-place gradient is race-free.
-bf16 loads widen exactly and bf16 stores round to nearest even in integer arithmetic (kernels/bf16_bits.py),
-so the interpreter and the GPU round alike. exp, log and sigmoid are Triton's (approximate on the GPU, within
-a few fp32 ulps), and the row sum is a tree: results agree with the reference to a bound, not bitwise
-(tests/perf/test_softcapped_ce.py says which and why).
+60. The one-hot terms touch K columns of the row: the second pass writes every column without them, and after
+a block barrier (every store of the pass has landed) the K target columns are written again with them, rather
+than comparing every column with the K targets. Each element is otherwise read and written by the same
+program only, so the in-place gradient is race-free. bf16 loads widen exactly and bf16 stores round to
+nearest even in integer arithmetic (kernels/bf16_bits.py), so the interpreter and the GPU round alike. exp,
+log and sigmoid are Triton's (approximate on the GPU, within a few fp32 ulps), and the row sum is a tree:
+results agree with the reference to a bound, not bitwise (tests/perf/test_softcapped_ce.py says which and
+why).
 
 The idea, computing the loss and the logit gradient in one pass over a chunk's logits so that no fp32 [rows,
 V] intermediate is ever written, is the fused cross-entropy of upstream's record (its Triton cross-entropy
@@ -47,8 +51,14 @@ def _load_u(row_ptr, cols, mask, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def _load_sigmoid(row_ptr, cols, mask, shift, inv_t, IS_BF16: tl.constexpr):
+    # s = sigmoid((l + shift) * inv_t) in fp32: the same operations wherever a column's s is needed.
+    return tl.sigmoid((_load_u(row_ptr, cols, mask, IS_BF16) + shift) * inv_t)
+
+
+@triton.jit
 def _softcapped_ce_rows_kernel(
-    u_ptr,  # [rows, V] (int16 bits when IS_BF16), row stride u_stride; the gradient overwrites it
+    u_ptr,  # logits [rows, V] (int16 bits when IS_BF16), row stride u_stride; the gradient overwrites them
     u_stride,
     tgt_ptr,  # int64 [K, tgt_stride]: targets of row r at column lo + r (clamped where invalid)
     coef_ptr,  # fp32 [K, tgt_stride]: mtp weight k where target t + k exists, else 0
@@ -58,6 +68,8 @@ def _softcapped_ce_rows_kernel(
     lo,
     V,
     cap,
+    shift,
+    inv_t,  # 1 / temperature (fp32)
     grad_scale,  # cap / temperature
     K: tl.constexpr,
     KP: tl.constexpr,  # K rounded up to a power of two (Triton's vector sizes)
@@ -76,13 +88,13 @@ def _softcapped_ce_rows_kernel(
     kmask = ks < K
     t_vec = tl.load(tgt_ptr + ks * tgt_stride + col, mask=kmask, other=0)
     c_vec = tl.load(coef_ptr + ks * tgt_stride + col, mask=kmask, other=0.0)
-    s_t = tl.sigmoid(_load_u(row_ptr, t_vec, kmask, IS_BF16))
+    s_t = _load_sigmoid(row_ptr, t_vec, kmask, shift, inv_t, IS_BF16)
 
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, V, BLOCK):
         idx = start + cols
         mask = idx < V
-        s = tl.sigmoid(_load_u(row_ptr, idx, mask, IS_BF16))
+        s = _load_sigmoid(row_ptr, idx, mask, shift, inv_t, IS_BF16)
         acc += tl.where(mask, tl.exp(cap * s - cap), 0.0)
     sum_e = tl.sum(acc, axis=0)
     lse = cap + tl.log(sum_e)
@@ -90,19 +102,28 @@ def _softcapped_ce_rows_kernel(
 
     if WRITE_GRAD:
         scale = tl.math.div_rn(tl.load(row_weight_ptr + col) * grad_scale, sum_e)
-        d_vec = tl.where(kmask, -grad_scale * c_vec * s_t, 0.0)  # the one-hot term of each target
         for start in range(0, V, BLOCK):
             idx = start + cols
             mask = idx < V
-            s = tl.sigmoid(_load_u(row_ptr, idx, mask, IS_BF16))
+            s = _load_sigmoid(row_ptr, idx, mask, shift, inv_t, IS_BF16)
             q = tl.exp(cap * s - cap) * s * scale
-            # Repeated targets add up, as the reference's scatter_add does.
-            q += tl.sum(tl.where(idx[:, None] == t_vec[None, :], d_vec[None, :], 0.0), axis=1)
             g = q - q * s
             if IS_BF16:
                 tl.store(row_ptr + idx, round_to_bf16_bits(g), mask=mask)
             else:
                 tl.store(row_ptr + idx, g, mask=mask)
+        # The K target columns again, now with their one-hot terms, once every store above has landed (the
+        # barrier orders this block's global stores). Repeated targets add up, as the reference's scatter_add
+        # does; a target past the batch's end (coefficient 0) rewrites its column with the value it has.
+        tl.debug_barrier()
+        d_vec = tl.where(kmask, -grad_scale * c_vec * s_t, 0.0)
+        d_sum = tl.sum(tl.where(t_vec[:, None] == t_vec[None, :], d_vec[None, :], 0.0), axis=1)
+        q_t = tl.exp(cap * s_t - cap) * s_t * scale + d_sum
+        g_t = q_t - q_t * s_t
+        if IS_BF16:
+            tl.store(row_ptr + t_vec, round_to_bf16_bits(g_t), mask=kmask)
+        else:
+            tl.store(row_ptr + t_vec, g_t, mask=kmask)
 
 
 def softcapped_ce_rows_(
@@ -112,15 +133,16 @@ def softcapped_ce_rows_(
     row_weight: torch.Tensor,
     lo: int,
     cap: float,
+    shift: float,
     temperature: float,
     write_grad: bool,
 ) -> torch.Tensor:
     """Per-row losses (fp32 [rows]) of the logit block ``u`` [rows, V], the rows lo .. lo + rows of the batch.
 
-    u: the sigmoid's argument (x W + shift) / temperature, bf16 or fp32, rows contiguous; with ``write_grad``
-    it is overwritten by d(loss)/du in its own dtype. targets int64 [K, T] (clamped to the batch), coef fp32
-    [K, T] (the weight of target k of row t, 0 where t + k >= T), row_weight fp32 [T] (the softmax
-    normaliser weight of every row). All on u's device.
+    u: the logits x W, bf16 or fp32, rows contiguous (the softcap's argument is (u + shift) / temperature,
+    formed in fp32 here); with ``write_grad`` it is overwritten by d(loss)/du in its own dtype. targets int64
+    [K, T] (clamped to the batch), coef fp32 [K, T] (the weight of target k of row t, 0 where t + k >= T),
+    row_weight fp32 [T] (the softmax normaliser weight of every row). All on u's device.
     """
     rows, vocab = u.shape
     k = targets.size(0)
@@ -142,6 +164,8 @@ def softcapped_ce_rows_(
         lo,
         vocab,
         float(cap),
+        float(shift),
+        1.0 / float(temperature),
         float(cap) / float(temperature),
         K=k,
         KP=max(2, triton.next_power_of_2(k)),
