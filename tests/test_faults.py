@@ -54,6 +54,37 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k].float() - b[k].float()).norm() / b[k].float().norm().clamp_min(1e-30)) for k in a)
 
 
+# |m_hat / sqrt(v_hat)| of an Adam step, over the first six steps, for the betas of this model's Adam labels
+# ((0.9, 0.99) and (0.9, 0.95)): Cauchy-Schwarz on the moment sums gives
+# (1 - b1) / sqrt(1 - b2) * sqrt(sum_{k<t} (b1^2 / b2)^k) * sqrt(1 - b2^t) / (1 - b1^t) <= 1.02 for t <= 6.
+ADAM_STEP_BOUND = 1.02
+
+
+def assert_params_within_reduction_order(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], trained, steps: int
+) -> None:
+    """Each label within 2% of its norm, plus, for Adam labels, one element's step taken opposite ways.
+
+    Two reduction orders give gradients that differ by rounding, and most labels then differ by bf16 roundings
+    amplified over a few updates (measured on the CPU, 2026-12-05: under 0.9% of the norm). But Adam's step is
+    normalised: an element whose gradient is at rounding-noise level can move a whole step, up to
+    ADAM_STEP_BOUND x lr x lr_mul, one way in one run and the other way in the other (measured: one of
+    ve_gate_bank's 48 elements, 0.016 apart after 4 steps, 18.7% of that small label's norm). ``trained`` is
+    the uninterrupted run's trainer (its param table and Adam lr); ``steps`` the updates since the resume.
+    """
+    table, lr = trained.model.param_table(), trained.cfg.optim.adam_lr
+    for label in got:
+        entry = table.get(label, {})
+        flip = 0.0
+        if entry.get("optim") == "adam":
+            flip = 2 * steps * ADAM_STEP_BOUND * lr * entry["lr_mul"]
+        dist = float((got[label].float() - want[label].float()).norm())
+        norm = float(want[label].float().norm())
+        assert dist <= 0.02 * norm + flip, (
+            f"{label}: |got - want| = {dist:.4g}, |want| = {norm:.4g}, flip {flip:.3g}"
+        )
+
+
 def die(tmp_path: Path, mode: str, step: int, *overrides: str, ranks: int = 1) -> subprocess.CompletedProcess:
     """Run the short config in child processes that SIGKILL themselves on cue (see tests/faults_runs.py);
     two ranks run under torchrun on gloo, one thread each like the harness's ranks."""
@@ -327,12 +358,15 @@ def test_resume_across_world_sizes_one_to_two_reshards_exactly_and_matches_withi
     # From the same state and documents, the two reduction orders (two ranks' means averaged by all_reduce vs
     # one rank's two microbatches accumulated) differ by fp32 rounding only: the first loss within 1e-4 nats;
     # later steps add bf16 weight rounding (one bf16 ulp is 2^-8 relative) amplified by the updates: 0.05 nats
-    # and 2% relative parameter distance bound the 4 steps here (measured: see the report of test_train).
+    # bound the 4 steps here (measured: see the report of test_train); parameters: see
+    # assert_params_within_reduction_order.
     losses = ranks[0]["losses"]
     assert len(losses) == 4 and abs(losses[0] - ref.train_losses[2]) < 1e-4
     assert max(abs(a - b) for a, b in zip(losses, ref.train_losses[2:])) < 0.05
     assert abs(ranks[0]["val"] - ref.val_loss) < 0.02
-    assert max_rel_diff(ranks[0]["params"], uninterrupted["params"]) < 0.02
+    assert_params_within_reduction_order(
+        ranks[0]["params"], uninterrupted["params"], ref.trainer, len(losses)
+    )
 
 
 def test_resume_across_world_sizes_two_to_one_reshards_exactly_and_matches_within_reduction_order(
@@ -350,7 +384,7 @@ def test_resume_across_world_sizes_two_to_one_reshards_exactly_and_matches_withi
     assert abs(r.train_losses[0] - plain[0]["losses"][2]) < 1e-4
     assert max(abs(a - b) for a, b in zip(r.train_losses, plain[0]["losses"][2:])) < 0.05
     assert abs(r.val_loss - plain[0]["val"]) < 0.02
-    assert max_rel_diff(final_state(t)["params"], plain[0]["params"]) < 0.02
+    assert_params_within_reduction_order(final_state(t)["params"], plain[0]["params"], t, len(r.train_losses))
 
 
 def test_two_ranks_killed_at_a_random_step_then_resumed_are_bitwise_equal_to_the_uninterrupted_run(two_ranks):
