@@ -116,6 +116,27 @@ def test_breakdown_of_a_trace_without_device_work_is_empty():
     assert set(bench.kernel_breakdown(trace(("cpu_op", "aten::mm", 0.0, 5.0))).values()) == {None}
 
 
+def test_top_kernels_ranks_names_by_summed_device_time_per_step():
+    long_name = "triton_poi_fused_" + "x" * 120
+    events = trace(
+        ("kernel", "sm90_xmma_gemm", 0.0, 30.0),
+        ("kernel", long_name, 30.0, 25.0),
+        ("kernel", "sm90_xmma_gemm", 60.0, 30.0),  # a second call of the same kernel adds up: 60 us
+        ("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 90.0, 5.0),  # copies are listed by category
+        ("gpu_memcpy", "Memcpy DtoD", 95.0, 5.0),
+        ("cpu_op", "aten::mm", 0.0, 500.0),  # host events are not device work
+    )
+    top = bench.top_kernels(events, n=2, steps=2)  # the trace holds two steps: per-step figures halve it
+    assert [k["kernel"] for k in top] == ["sm90_xmma_gemm", long_name[:90]]
+    assert [k["class"] for k in top] == ["gemm", "other"]
+    assert [k["calls_per_step"] for k in top] == [1.0, 0.5]
+    assert [k["ms_per_step"] for k in top] == pytest.approx([0.030, 0.0125])
+    assert [k["pct"] for k in top] == pytest.approx([100 * 60 / 95, 100 * 25 / 95])  # of all 95 us
+    rest = bench.top_kernels(events, n=5, steps=1)
+    assert rest[-1] == {"kernel": "gpu_memcpy", "class": "other", "calls_per_step": 2.0, "ms_per_step": 0.010,
+                        "pct": pytest.approx(100 * 10 / 95)}  # fmt: skip
+
+
 def full_row(**extra) -> dict:
     row = {"stage": 2, "tokens": 49152, "ms_per_step": 80.0, "ms_per_step_floor": 40.0, "mfu_pct": 50.0,
            "tokens_per_s": 614400.0, "forward_ms": 25.0, "forward_ms_floor": 40.0 / 3, "backward_ms": 45.0,
