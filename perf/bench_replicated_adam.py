@@ -2,6 +2,7 @@
 
     python perf/bench_replicated_adam.py --out perf/results/replicated_adam.json             # CUDA
     python perf/bench_replicated_adam.py --record                                   # record set, short table
+    python perf/bench_replicated_adam.py --record --phases          # and host us per phase of each path
     python perf/bench_replicated_adam.py --device cpu --out /tmp/replicated_adam.json         # CPU smoke
     torchrun --nproc_per_node=2 perf/bench_replicated_adam.py --out /tmp/ra2.json         # with all_reduces
 
@@ -37,6 +38,10 @@ training step's backward), so CUDA events around it time the device's work, not 
 - ``kernels``: GPU kernels and copies executed per step, those inside CUDA graphs included (None on CPU);
 - ``speedup``, ``vs_fused``: per_param's (fused's) host step cost over this path's;
 - ``bitwise``: after the run, parameters and moments equal the per_param path's bit for bit.
+
+``--phases`` adds a table: each path's host time per phase of a repetition (arm, the backward with its
+hooks, then ReplicatedAdam's launch_reduce, update and zero_grad, or the whole step), the median of as many
+more repetitions as rounds, nothing subtracted: where a path's step cost goes, not what it costs.
 
 At world size 1 the project's collectives are no-ops, so a one-process run measures everything but the
 all_reduces; run it under torchrun for those (rank 0 prints and writes). On the CPU the Triton kernels run in
@@ -185,6 +190,14 @@ class Fused:
         self.opt.update()
         self.opt.zero_grad()
 
+    def step_phases(self) -> list[tuple[str, Callable[[], None]]]:
+        """step() as its public calls, in order (the --phases table times each)."""
+        return [
+            ("launch_reduce", self.opt.launch_reduce),
+            ("update", self.opt.update),
+            ("zero_grad", self.opt.zero_grad),
+        ]
+
 
 class Device(Fused):
     impl = "device"
@@ -269,6 +282,40 @@ class Runner:
         self.grads.backward(self.params, self.step)
         self.path.step()
         self.step += 1
+
+
+def phase_times(runner: Runner, count: int, device: torch.device) -> list[dict]:
+    """Host microseconds of each phase of a repetition, the median of ``count`` (one row per phase).
+
+    Phases: "arm" (before the backward), "backward" (its gradient hooks included), then the path's step as
+    its public calls where it has step_phases() (ReplicatedAdam: launch_reduce, update, zero_grad), else
+    "step". Each repetition starts on an idle queue, as in interleaved_samples; no baseline is subtracted.
+    """
+    path = runner.path
+    step = getattr(path, "step_phases", lambda: [("step", path.step)])()
+    names = ["arm", "backward", *(n for n, _ in step)]
+    times = {n: np.empty(count) for n in names}
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(count):
+            sync(device)
+            t = [time.perf_counter()]
+            path.before_backward()
+            t.append(time.perf_counter())
+            runner.grads.backward(runner.params, runner.step)
+            t.append(time.perf_counter())
+            for _, fn in step:
+                fn()
+                t.append(time.perf_counter())
+            runner.step += 1
+            for i, n in enumerate(names):
+                times[n][r] = t[i + 1] - t[i]
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    sync(device)
+    return [{"phase": n, "host_us": float(np.median(times[n])) * 1e6} for n in names]
 
 
 def run_steps(runner: Runner, count: int, device) -> None:
@@ -492,9 +539,12 @@ NOT_COMPARED = ("torch_adam",)  # other arithmetic: timed, not compared bit for 
 
 
 def measure_set(
-    name, spec, paths, device, reps, warmup, profile_steps, block, classes=None, seed=0
+    name, spec, paths, device, reps, warmup, profile_steps, block, classes=None, seed=0, phases=None
 ) -> list[dict]:
-    """The ``backward_only`` row, then one row per path of ``paths`` (classes: name -> path class)."""
+    """The ``backward_only`` row, then one row per path of ``paths`` (classes: name -> path class).
+
+    With ``phases`` (a dict), each runner's phase_times over ``reps`` more repetitions go into it, keyed by
+    path, after the interleaved samples and the profile (so neither sees them)."""
     classes = {BASELINE: BackwardOnly, **PATH_CLASSES} if classes is None else classes
     names = [BASELINE, *paths]
     runners, finals = {}, {}
@@ -508,6 +558,9 @@ def measure_set(
     lead_s = spin_lengths(runners, device) if device.type == "cuda" else None
     samples = interleaved_samples(runners, reps, device, lead_s=lead_s, seed=seed)
     counts = {n: profile_counts(runners[n], profile_steps, device) for n in names}
+    if phases is not None:
+        for n in names:
+            phases[n] = phase_times(runners[n], reps, device)
 
     base = samples[BASELINE]
     n_elements = sum(torch.Size(s[1]).numel() for s in spec)
@@ -635,6 +688,11 @@ def main(argv: list[str] | None = None) -> int:
         "--block", type=int, default=None, help="kernel block (default: 1024 cuda, 65536 cpu)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the round order and the bootstrap")
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time each phase of a repetition (arm, backward, and the step's public calls), per path",
+    )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args(argv)
 
@@ -671,16 +729,26 @@ def main(argv: list[str] | None = None) -> int:
     profile_steps = args.profile_steps or (5 if cuda else 1)
     block = args.block or (1024 if cuda else 65536)
 
-    rows = []
+    rows, tables = [], {}
     for name in sets:
         spec = RECORD if name == "record" else synthetic_set()
-        rows += measure_set(name, spec, paths, device, reps, warmup, profile_steps, block, seed=args.seed)
+        per_path: dict[str, list[dict]] | None = {} if args.phases else None
+        rows += measure_set(
+            name, spec, paths, device, reps, warmup, profile_steps, block, seed=args.seed, phases=per_path
+        )
+        if per_path:
+            title = f"{name} set: host us per phase of a repetition (median of {reps}; nothing subtracted)"
+            tables[title] = [{"path": p, **row} for p, path_rows in per_path.items() for row in path_rows]
     if distributed.is_main():
         print(
             f"{device}, world size {distributed.world_size()}, {reps} interleaved rounds after {warmup} "
             f"warmup steps; block {block}"
         )
         print_table(rows)
+        for title, table in tables.items():
+            print(title)
+            for row in table:
+                print(f"  {row['path']:<14}{row['phase']:<15}{row['host_us']:10.1f}")
         if args.out:
             payload = {
                 **bench_metadata(
@@ -690,6 +758,7 @@ def main(argv: list[str] | None = None) -> int:
                 "world_size": distributed.world_size(),
                 "rounds": reps,
                 "rows": rows,
+                **({"tables": tables} if tables else {}),
                 "notes": [
                     "host_us, device_us: the Adam step's cost, the median over rounds of (backward + step) "
                     "minus the backward_only baseline of the same round (interleaved in a seeded order); "

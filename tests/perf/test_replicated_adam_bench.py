@@ -183,6 +183,36 @@ def test_record_flag_measures_the_record_set_and_prints_a_short_table_last(tmp_p
     assert [line.split()[0] for line in lines[-2:]] == ["per_param", "device"]
 
 
+def test_phase_times_charge_a_planted_sleep_to_its_phase():
+    class Phased(bench.BackwardOnly):
+        def step_phases(self):
+            return [("quick", lambda: None), ("slow", lambda: time.sleep(3e-3))]
+
+    params, cfgs, states = bench.build(bench.RECORD, CPU)
+    runner = bench.Runner(Phased(params, cfgs, states, CPU, 65536), params, bench.Gradients(params))
+    rows = {r["phase"]: r["host_us"] for r in bench.phase_times(runner, 5, CPU)}
+    assert list(rows) == ["arm", "backward", "quick", "slow"]
+    assert rows["slow"] >= 3000.0  # time.sleep waits at least its time
+    assert rows["quick"] < 1000.0 and rows["arm"] < 1000.0
+    assert runner.step == 5  # each repetition consumed its gradient set, as a timed one does
+    plain = bench.Runner(
+        bench.BackwardOnly(params, cfgs, states, CPU, 65536), params, bench.Gradients(params)
+    )
+    assert [r["phase"] for r in bench.phase_times(plain, 2, CPU)] == ["arm", "backward", "step"]
+
+
+def test_phases_flag_adds_a_table_of_each_paths_public_calls(tmp_path):
+    out = tmp_path / "ra.json"
+    argv = ["--device", "cpu", "--record", "--paths", "per_param,device", "--reps", "2", "--phases"]
+    assert bench.main([*argv, "--out", str(out)]) == 0
+    ((title, table),) = json.loads(out.read_text())["tables"].items()
+    assert title.startswith("record set: host us per phase")
+    device = [r["phase"] for r in table if r["path"] == "device"]
+    assert device == ["arm", "backward", "launch_reduce", "update", "zero_grad"]
+    assert [r["phase"] for r in table if r["path"] == "per_param"] == ["arm", "backward", "step"]
+    assert all(r["host_us"] > 0 for r in table)
+
+
 def test_record_flag_with_another_set_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--record", "--sets", "synthetic"])
