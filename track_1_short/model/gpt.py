@@ -263,7 +263,9 @@ class ModelConfig:
     lm_head_init_std: float = 0.005
     """lm_head ~ N(0, std^2); embed starts as its transpose."""
     loss_chunk_rows: int = 4096
-    """Rows of the [rows, vocab] logit block the loss builds at a time (memory and speed only; row-local)."""
+    """Rows of the [rows, vocab] logit block the loss builds at a time: memory and speed, and the weight
+    gradient's rounding (one chunk: one GEMM, rounded once; several: each chunk's product rounded to the
+    compute dtype, summed in fp32). The record presets use one chunk per micro batch."""
     loss_impl: str = "auto"
     """The training loss between its GEMMs: "auto" (the fused Triton kernel on CUDA, the reference path
     elsewhere), "reference" (eager torch ops) or "fused" (on a CPU only under TRITON_INTERPRET=1)."""
