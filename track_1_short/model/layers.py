@@ -161,9 +161,9 @@ def _reference_block(x, weight, tgt, valid, w_k, row_weight, cap, shift, tempera
     neg_cap = torch.tensor(-cap, dtype=torch.float32, device=x.device)
     inv_t = 1.0 / temperature  # applied as an fp32 multiply, as the kernel does
 
-    def block(u: Tensor, lo: int, hi: int) -> tuple[Tensor, Tensor | None]:
+    def block(logits: Tensor, lo: int, hi: int) -> tuple[Tensor, Tensor | None]:
         s = sig_buf[: hi - lo]
-        s.copy_(u).add_(shift).mul_(inv_t).sigmoid_()  # s = sigmoid((x W + shift) / temperature): fp32
+        s.copy_(logits).add_(shift).mul_(inv_t).sigmoid_()  # s = sigmoid((x W + shift) / temperature): fp32
         # z = cap * s lies in (0, cap]: cap is a safe fixed max for the log-sum-exp (upstream's kernel)
         e = torch.add(neg_cap, s, alpha=cap, out=exp_buf[: hi - lo]).exp_()  # exp(z - cap)
         sum_e = e.sum(-1)  # [rows]
@@ -193,11 +193,11 @@ def _fused_block(tgt, valid, w_k, row_weight, cap, shift, temperature, need_grad
     coef = (valid.float() * w_k[:, None]).contiguous()  # [K, T]: target k's weight, 0 past the batch's end
     row_weight = row_weight.float().contiguous()
 
-    def block(u: Tensor, lo: int, hi: int) -> tuple[Tensor, Tensor | None]:
+    def block(logits: Tensor, lo: int, hi: int) -> tuple[Tensor, Tensor | None]:
         loss_rows = softcapped_ce_rows_(
-            u, targets_kt, coef, row_weight, lo, cap, shift, temperature, need_grad
+            logits, targets_kt, coef, row_weight, lo, cap, shift, temperature, need_grad
         )
-        return loss_rows.sum(), (u if need_grad else None)
+        return loss_rows.sum(), (logits if need_grad else None)
 
     return block
 
