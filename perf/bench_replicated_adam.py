@@ -51,6 +51,7 @@ the interpreter (slow: the CPU run is a smoke of the whole benchmark, its figure
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -284,6 +285,19 @@ class Runner:
         self.step += 1
 
 
+@contextlib.contextmanager
+def collector_off():
+    """The cyclic garbage collector off inside, restored after: a collection pause inside one repetition would
+    be charged to whichever path happened to allocate last."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def phase_times(runner: Runner, count: int, device: torch.device) -> list[dict]:
     """Host microseconds of each phase of a repetition, the median of ``count`` (one row per phase).
 
@@ -295,9 +309,7 @@ def phase_times(runner: Runner, count: int, device: torch.device) -> list[dict]:
     step = getattr(path, "step_phases", lambda: [("step", path.step)])()
     names = ["arm", "backward", *(n for n, _ in step)]
     times = {n: np.empty(count) for n in names}
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         for r in range(count):
             sync(device)
             t = [time.perf_counter()]
@@ -311,9 +323,6 @@ def phase_times(runner: Runner, count: int, device: torch.device) -> list[dict]:
             runner.step += 1
             for i, n in enumerate(names):
                 times[n][r] = t[i + 1] - t[i]
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     sync(device)
     return [{"phase": n, "host_us": float(np.median(times[n])) * 1e6} for n in names]
 
@@ -375,10 +384,7 @@ def interleaved_samples(
     dev = {n: np.empty(rounds) for n in names}
     starved = dict.fromkeys(names, 0)
     order = np.random.default_rng(seed)
-    # A collection pause inside one repetition would be charged to whichever path happened to allocate last.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         for r in range(rounds):
             for j in order.permutation(len(names)):
                 name = names[j]
@@ -395,9 +401,6 @@ def interleaved_samples(
                     end.synchronize()
                     dev[name][r] = start.elapsed_time(end) * 1e-3
                     starved[name] += (t1 - t0) > lead_s[name]
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     return {n: Samples(host[n], dev[n] if cuda else None, starved[n] if cuda else None) for n in names}
 
 

@@ -1,5 +1,6 @@
 """perf/bench_replicated_adam.py on the CPU: the paired interleaved method, the paths, launches, agreement."""
 
+import gc
 import json
 import time
 
@@ -199,6 +200,28 @@ def test_phase_times_charge_a_planted_sleep_to_its_phase():
         bench.BackwardOnly(params, cfgs, states, CPU, 65536), params, bench.Gradients(params)
     )
     assert [r["phase"] for r in bench.phase_times(plain, 2, CPU)] == ["arm", "backward", "step"]
+
+
+def test_repetitions_run_with_the_collector_off_and_it_is_restored_after():
+    seen = []
+
+    class Watching(bench.BackwardOnly):
+        def step(self) -> None:
+            super().step()
+            seen.append(gc.isenabled())
+
+    params, cfgs, states = bench.build(bench.RECORD, CPU)
+    runner = bench.Runner(Watching(params, cfgs, states, CPU, 65536), params, bench.Gradients(params))
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            bench.phase_times(runner, 2, CPU)
+            bench.interleaved_samples({"w": runner}, 2, CPU)
+            assert gc.isenabled() == enabled  # as it was before, whichever it was
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen == [False] * 8
 
 
 def test_phases_flag_adds_a_table_of_each_paths_public_calls(tmp_path):
