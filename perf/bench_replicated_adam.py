@@ -17,15 +17,16 @@ elements, bf16 and fp32, three beta pairs). Paths, each from the same initial va
 - ``torch_adam``: ``torch.optim.Adam`` (fused=True on CUDA), one group per tensor, after per-parameter
   all_reduces; its arithmetic differs (no cautious decay), so it is timed, not compared.
 
-Method. One repetition of a path is its whole training-step share: arm, one backward straight into the
-parameters (precomputed gradients, a new scale each step; a path's gradient hooks run inside it), the Adam
-step. The baseline ``backward_only`` is the same backward with the gradients dropped. Every round runs each
-path and the baseline once, in a fresh seeded order (A B A B ..., so drift and cache effects fall on all of
-them), with the garbage collector off. A path's step cost is the median over rounds of its repetition minus
-the baseline's of the same round, with a bootstrap 95% interval of that median; a cost whose interval reaches
-zero is "below noise": no number and no ratio is made from it. On CUDA each repetition starts on an idle queue
-behind a spin kernel longer than the repetition's enqueue (the GPU stays busy ahead of the host, as behind a
-training step's backward), so CUDA events around it time the device's work, not the host's pace. Columns:
+Method. One repetition of a path is its whole training-step share: arm, one backward that delivers precomputed
+gradients (a new scale each step) as fresh tensors, the way a model's backward does (a path's gradient hooks
+and in-place accumulation run inside it; its forward is built before the clock starts), the Adam step. The
+baseline ``backward_only`` is the same backward with the gradients dropped. Every round runs each path and the
+baseline once, in a fresh seeded order (A B A B ..., so drift and cache effects fall on all of them), with the
+garbage collector off. A path's step cost is the median over rounds of its repetition minus the baseline's of
+the same round, with a bootstrap 95% interval of that median; a cost whose interval reaches zero is "below
+noise": no number and no ratio is made from it. On CUDA each repetition starts on an idle queue behind a spin
+kernel longer than the repetition's enqueue (the GPU stays busy ahead of the host, as behind a training step's
+backward), so CUDA events around it time the device's work, not the host's pace. Columns:
 
 - ``host_us``, ``device_us``: the step cost in host enqueue time and in device time (events; None on CPU),
   or "below noise"; ``*_ci``: the 95% interval of that median;
@@ -33,9 +34,11 @@ training step's backward), so CUDA events around it time the device's work, not 
   ``backward_only`` row), ``*_iqr``: its interquartile range;
 - ``starved``: repetitions whose enqueue outlasted the spin kernel (their device time includes host time);
 - ``launches``: per step, host calls that launch GPU work (cudaLaunchKernel, cuLaunchKernel, cudaGraphLaunch,
-  cudaMemcpyAsync, ...), backward excluded (profiler). On the CPU: dispatched aten ops plus Triton launches,
+  cudaMemcpyAsync, ...), the baseline's backward subtracted (profiler): what a path adds to the backward
+  counts (the device path's in-place accumulation). On the CPU: dispatched aten ops plus Triton launches,
   the calls that would be launches on a GPU;
-- ``kernels``: GPU kernels and copies executed per step, those inside CUDA graphs included (None on CPU);
+- ``kernels``: GPU kernels and copies executed per step, those inside CUDA graphs included, the baseline's
+  subtracted likewise (None on CPU);
 - ``speedup``, ``vs_fused``: per_param's (fused's) host step cost over this path's;
 - ``bitwise``: after the run, parameters and moments equal the per_param path's bit for bit.
 
@@ -131,7 +134,16 @@ def build(spec: list[tuple], device: torch.device, seed: int = 0):
 
 
 class Gradients:
-    """Precomputed gradients, a few distinct sets cycled, fed straight into the parameters by backward()."""
+    """Precomputed gradients (a few distinct sets, cycled), delivered by a real backward.
+
+    ``forward(params, step)`` builds, per parameter, ``(p * g).sum()`` with ``g`` the step's gradient and a
+    ones seed per output; ``backward`` runs autograd through it. Each gradient then leaves a multiply as a
+    fresh tensor that nothing else holds, as a model's backward hands it over: autograd takes it as .grad
+    when there is none and adds it in place into an existing .grad (the device path's zero-copy views pay
+    that add, as they do in training). Feeding the sets as ``grad_tensors`` of the parameters would make
+    autograd clone each one (the caller still holds it), a cost that a path accumulating in place skips:
+    the baseline would then charge every other path for it. The gradient is ``1 * g``: the same bits as g.
+    """
 
     def __init__(self, params, seed: int = 1, variants: int = 4):
         gen = torch.Generator().manual_seed(seed)
@@ -140,9 +152,14 @@ class Gradients:
             [(b * (1.0 + 0.25 * v)).to(p.dtype).to(p.device) for b, p in zip(base, params)]
             for v in range(variants)
         ]
+        self.seeds = [torch.ones((), dtype=p.dtype, device=p.device) for p in params]
 
-    def backward(self, params, step: int) -> None:
-        torch.autograd.backward(params, grad_tensors=self.sets[step % len(self.sets)])
+    def forward(self, params, step: int) -> list[torch.Tensor]:
+        """The outputs whose backward delivers step ``step``'s gradients (built outside the timed region)."""
+        return [(p * g).sum() for p, g in zip(params, self.sets[step % len(self.sets)])]
+
+    def backward(self, outputs: list[torch.Tensor]) -> None:
+        torch.autograd.backward(outputs, grad_tensors=self.seeds)
 
 
 # ---- the paths ---------------------------------------------------------------------------------------------
@@ -272,15 +289,29 @@ def sync(device: torch.device) -> None:
 
 
 class Runner:
-    """One repetition of a path: arm, the backward (the path's gradient hooks run in it), the Adam step."""
+    """One repetition of a path: arm, the backward (the path's gradient hooks run in it), the Adam step.
+
+    ``prepare()`` builds the repetition's forward graph; the timing loops call it before they start the
+    clock, and a repetition that finds none prepared builds its own.
+    """
 
     def __init__(self, path, params, grads: Gradients):
         self.path, self.params, self.grads = path, params, grads
         self.step = 0  # indexes the gradient sets: every path sees the same sequence
+        self._outputs: list[torch.Tensor] | None = None
+
+    def prepare(self) -> None:
+        if self._outputs is None:
+            self._outputs = self.grads.forward(self.params, self.step)
+
+    def backward(self) -> None:
+        self.prepare()
+        outputs, self._outputs = self._outputs, None
+        self.grads.backward(outputs)
 
     def __call__(self) -> None:
         self.path.before_backward()
-        self.grads.backward(self.params, self.step)
+        self.backward()
         self.path.step()
         self.step += 1
 
@@ -311,11 +342,12 @@ def phase_times(runner: Runner, count: int, device: torch.device) -> list[dict]:
     times = {n: np.empty(count) for n in names}
     with collector_off():
         for r in range(count):
+            runner.prepare()
             sync(device)
             t = [time.perf_counter()]
             path.before_backward()
             t.append(time.perf_counter())
-            runner.grads.backward(runner.params, runner.step)
+            runner.backward()
             t.append(time.perf_counter())
             for _, fn in step:
                 fn()
@@ -388,6 +420,9 @@ def interleaved_samples(
         for r in range(rounds):
             for j in order.permutation(len(names)):
                 name = names[j]
+                prepare = getattr(runners[name], "prepare", None)
+                if prepare is not None:  # untimed: a Runner's forward graph
+                    prepare()
                 if cuda:
                     torch.cuda.synchronize(device)
                     spin(lead_s[name])
@@ -595,9 +630,7 @@ def measure_set(
         row["starved"] = got.starved
         other = counts[BASELINE]
         if path_name == BASELINE:
-            row["launches"] = row["kernels"] = (
-                None  # the figures below are the Adam step's, backward excluded
-            )
+            row["launches"] = row["kernels"] = None  # the figures below are what a path adds to this backward
         else:
             row["launches"] = counts[path_name]["launches"] - other["launches"]
             kernels = counts[path_name]["kernels"]
@@ -770,7 +803,8 @@ def main(argv: list[str] | None = None) -> int:
                     "total_*: median of a whole repetition (backward + step), *_iqr its interquartile range; "
                     "device times from CUDA events behind a spin kernel longer than the enqueue; starved: "
                     "repetitions whose enqueue outlasted it.",
-                    "launches, kernels: per Adam step from the profiler, the baseline's subtracted.",
+                    "launches, kernels: per Adam step from the profiler, the baseline's subtracted (what a "
+                    "path adds to the backward counts: the device path's in-place accumulation).",
                     "At world size 1 the collectives are no-ops; torchrun with several processes includes "
                     "them.",
                     "bitwise: parameters and moments after warmup + timed + profiled steps equal the "

@@ -52,7 +52,13 @@ from track_1_short import distributed
 from track_1_short.optim.adam import first_moment_correction, second_moment_correction
 from track_1_short.perf.kernels import replicated_adam as kernels
 from track_1_short.perf.kernels.replicated_adam import STEP_INPUTS
-from track_1_short.perf.replicated_adam import FlatViewError, ReplicatedAdamError, UploadRing, describe
+from track_1_short.perf.replicated_adam import (
+    CurrentStream,
+    FlatViewError,
+    ReplicatedAdamError,
+    UploadRing,
+    describe,
+)
 
 # A correction table covers t = 0..last, where beta^last <= 2^-54 makes 1 - beta^t exactly 1.0 for every later
 # t. last grows like 37 / (1 - beta): 3.7k entries for 0.99, 374k for 0.9999. The cap (8 MB of fp64 per beta)
@@ -126,6 +132,7 @@ class DeviceStep:
             self._pinned_inputs = torch.zeros(self.inputs.shape, dtype=torch.float64, pin_memory=True)
             self._pinned_rows = self._pinned_inputs.numpy()
             self._inputs_read = torch.cuda.Event()
+            self._stream = CurrentStream(device)  # record() without a stream builds a Stream object per call
         else:
             self.ring = UploadRing(self.inputs)
         self.corrections = torch.zeros(0, dtype=torch.float64, device=device)
@@ -314,7 +321,7 @@ class DeviceStep:
             else:
                 self._launch_update_kernels()
         if self.use_graphs:
-            self._inputs_read.record()
+            self._inputs_read.record(self._stream())
         self._handles = []
         self._reduce_state = None
         self._grads_clear = True
