@@ -186,13 +186,13 @@ README_COMMANDS = {
     "resume=runs/<run>/checkpoints": {**COMPACT, "resume": "runs/RUN/checkpoints"},  # <run>: a placeholder
     "experiment=smoke_record": {**COMPACT, "steps": 16, "smoke_target": 6.55},
     # The one-GPU record preset: the record's model and stage geometries, 134 steps, the synthetic corpus with
-    # GPT-2's vocabulary, micro batches of 32,768 tokens (every stage a whole number of them: one graph).
+    # GPT-2's vocabulary, micro batches of 65,536 tokens (every stage a whole number of them: one graph).
     "experiment=record_1gpu": {
         **GPT2,
         "steps": 134,
         "model.num_layers": 11,
         "data.kind": "synthetic",
-        "micro_batch_tokens": 32768,
+        "micro_batch_tokens": 65536,
         "model.check_inputs": False,
     },
 }
