@@ -335,12 +335,13 @@ def test_flex_attention_on_cuda_matches_naive_forward_and_backward(doc_lens, win
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("full_blocks", [True, False])
-@pytest.mark.parametrize("doc_lens,window", CUDA_CASES)
+@pytest.mark.parametrize("doc_lens,window", [c for c in CUDA_CASES if c[1] >= 2 * 128])
 def test_flex_attention_in_a_compiled_graph_on_cuda_matches_naive_forward_and_backward(
     doc_lens, window, full_blocks
 ):
     # The compiled model's path: FlexAttention traced into the caller's graph, its block mask built there from
-    # a window given as a device tensor. Bounds as in the test above (TF32 dot products).
+    # a window given as a device tensor. Only the cases with full blocks: each is a compile of its own. Bounds
+    # as in the test above (TF32 dot products).
     torch._dynamo.reset()
     q, k, v, doc, _ = random_case(doc_lens, dq=64, dv=64)
     attend = functools.partial(flex_attention_varlen, block=128, full_blocks=full_blocks)
