@@ -2,20 +2,26 @@
 
 Tolerances: both paths compute the same fp32 softmax over the same visible keys; they differ only in summation
 order (blocked einsum vs one matmul), so 1e-5 absolute on O(1) outputs bounds them with room to spare.
+FlexAttention with and without full blocks: see the tests of kv_block_lists_split below for the bounds.
 """
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
+import track_1_short.model.attention as attention
 from track_1_short.model.attention import (
     AttnSpec,
     PackedSequence,
     causal_self_attention,
     flex_attention_varlen,
     kv_block_lists,
+    kv_block_lists_split,
     reference_attention,
+    visible,
 )
 from track_1_short.model.layers import document_ids, document_starts, rope_base_frequencies
 
@@ -55,11 +61,12 @@ def test_reference_attention_equals_naive_masked_softmax(doc_lens, window):
     torch.testing.assert_close(got, naive_attention(q, k, v, doc, window), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("full_blocks", [True, False])
 @pytest.mark.parametrize("doc_lens,window", CASES)
-def test_flex_attention_forward_equals_naive_masked_softmax_on_cpu(doc_lens, window):
+def test_flex_attention_forward_equals_naive_masked_softmax_on_cpu(doc_lens, window, full_blocks):
     # FlexAttention on the CPU is unfused and forward-only: this checks the mask_mod, padding and layout.
     q, k, v, doc, _ = random_case(doc_lens, dq=16, dv=16)
-    got = flex_attention_varlen(q, k, v, doc, window, block=128)
+    got = flex_attention_varlen(q, k, v, doc, window, block=128, full_blocks=full_blocks)
     torch.testing.assert_close(got, naive_attention(q, k, v, doc, window), atol=1e-5, rtol=0)
 
 
@@ -84,6 +91,100 @@ def test_block_lists_cover_every_visible_pair(doc_lens, window):
     # and nothing is listed beyond the window's reach or after the query block
     assert (num <= -(-window // block) + 1).all()
     assert not (listed & torch.ones_like(listed).triu(1).bool()).any()
+
+
+# -- full blocks (kv_block_lists_split) ---------------------------------------------------------------------
+
+
+def _random_packing(seed, block):
+    """doc_ids of random documents, some shorter, some longer than a block, padded with -1 to a block edge."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 3 * block + 1, (int(torch.randint(3, 9, (), generator=g)),), generator=g).tolist()
+    # One document of over four blocks, somewhere: windows of two blocks or more then have full blocks.
+    lens.insert(int(torch.randint(0, len(lens) + 1, (), generator=g)), 4 * block + lens[0])
+    s = sum(lens)
+    doc = document_ids(torch.tensor([0, *lens]).cumsum(0).to(torch.int32), s)
+    return torch.cat([doc, torch.full((-s % block,), -1, dtype=doc.dtype)])
+
+
+def _row(num, idx, qb):
+    return idx[qb, : int(num[qb])].tolist()
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("block", [1, 16, 64])
+@pytest.mark.parametrize("reach", ["under a block", "blocks", "past every document", "blocks as a tensor"])
+def test_split_block_lists_classify_each_block_by_its_visible_pairs(seed, block, reach):
+    doc = _random_packing(seed, block) if block > 1 else _random_packing(seed, 16)[:150]
+    window = {
+        "under a block": max(block // 2 - 1, 0),
+        "blocks": 2 * block + 7,
+        "past every document": doc.numel(),
+        "blocks as a tensor": torch.tensor(3 * block + block // 2),
+    }[reach]
+    n = doc.numel() // block
+    num, idx = kv_block_lists(doc, window, block)
+    part_num, part_idx, full_num, full_idx = kv_block_lists_split(doc, window, block)
+    assert all(t.dtype == torch.int32 for t in (part_num, part_idx, full_num, full_idx))
+    assert part_idx.shape == full_idx.shape == (n, n)
+    # Entries past a row's count are ignored, but a kernel may still load them: all must be block indices.
+    assert ((part_idx >= 0) & (part_idx < n) & (full_idx >= 0) & (full_idx < n)).all()
+    pos = torch.arange(doc.numel())
+    pairs = visible(doc[:, None], doc[None, :], pos[:, None], pos[None, :], window)
+    pairs = pairs.view(n, block, n, block).transpose(1, 2)  # [q block, kv block, query, key]
+    some, every = pairs.any((2, 3)), pairs.all((2, 3))
+    for qb in range(n):
+        listed, part, full = _row(num, idx, qb), _row(part_num, part_idx, qb), _row(full_num, full_idx, qb)
+        assert part == sorted(set(part)) and full == sorted(set(full))  # FlexAttention's ordered layout
+        assert not set(part) & set(full)
+        assert set(part) | set(full) == set(listed)  # the same blocks kv_block_lists visits
+        # kv_block_lists lists exactly the blocks holding a visible pair; of those, full means all visible.
+        assert set(listed) == set(some[qb].nonzero().flatten().tolist())
+        assert set(full) == set(every[qb].nonzero().flatten().tolist())
+    if block > 1 and reach != "under a block":
+        assert full_num.sum() > 0  # the case does exercise full blocks
+
+
+# At block 32 each has full blocks, bounded by a document start, by block edges in documents, by the window.
+FULL_CASES = [([37, 400, 3], 1000), ([129, 127, 256], 128), ([1000, 24], 300)]
+
+
+@pytest.mark.parametrize("doc_lens,window", CASES + [([1000, 24], 300)])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_flex_attention_with_full_blocks_is_bitwise_without_them_on_the_cpu(doc_lens, window, as_tensor):
+    # Eager FlexAttention (the CPU's path) scores every pair and applies mask_mod densely: it never reads the
+    # block lists, so listing full blocks apart cannot change a bit there. The lists' use by a kernel is
+    # checked by the compiled test below and on CUDA.
+    q, k, v, doc, _ = random_case(doc_lens, dq=16, dv=16)
+    w = torch.tensor(window) if as_tensor else window
+    with_full = flex_attention_varlen(q, k, v, doc, w, block=32, full_blocks=True)
+    assert torch.equal(with_full, flex_attention_varlen(q, k, v, doc, w, block=32, full_blocks=False))
+    torch.testing.assert_close(with_full, naive_attention(q, k, v, doc, window), atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc_lens,window", FULL_CASES)
+def test_flex_attention_full_blocks_in_the_compiled_cpu_kernel(doc_lens, window, monkeypatch):
+    # Inductor's CPU FlexAttention kernel does read the lists: it skips mask_mod on full blocks, so a partial
+    # block listed as full lets masked pairs through and fails this test. It visits partial blocks before full
+    # ones, so the online softmax sums in another order than without full blocks: not bitwise. The outputs are
+    # convex combinations of rows of v, so the reordering error scales with max |v|: measured at most
+    # 1.6 eps * max |v| (eps = 2^-23, fp32) over 6 seeds of these cases at block 32; 3 eps * max |v| asserted.
+    pytest.importorskip("torch._inductor")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()  # a fresh cache: past the recompile limit Dynamo would quietly run flex eagerly
+    compiled = torch.compile(flex_attention, dynamic=False)
+    monkeypatch.setattr(attention, "_flex_function", lambda device_type: compiled)
+    q, k, v, doc, _ = random_case(doc_lens, dq=16, dv=16)
+    w = torch.tensor(window)
+    with_full = flex_attention_varlen(q, k, v, doc, w, block=32, full_blocks=True)
+    without = flex_attention_varlen(q, k, v, doc, w, block=32, full_blocks=False)
+    expected = naive_attention(q, k, v, doc, window)
+    torch.testing.assert_close(with_full, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(without, expected, atol=1e-5, rtol=0)
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(with_full, without, atol=3 * eps * v.abs().max().item(), rtol=0)
 
 
 def _spec(**kw):
@@ -206,16 +307,50 @@ def test_paired_heads_see_their_partners_keys_and_halve_the_window():
     assert changed.nonzero().flatten().tolist() == [30, 31]
 
 
+# At block 128 the last two have full blocks (windows of two blocks and more); of CASES only the third has.
+CUDA_CASES = CASES + [([1000, 24], 300), ([700, 200, 124], 400)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("doc_lens,window", CASES)
-def test_flex_attention_on_cuda_matches_naive_forward_and_backward(doc_lens, window):
+@pytest.mark.parametrize("full_blocks", [True, False])
+@pytest.mark.parametrize("doc_lens,window", CUDA_CASES)
+def test_flex_attention_on_cuda_matches_naive_forward_and_backward(doc_lens, window, full_blocks):
+    # Every case is a new compile (shapes, the window and whether full lists are given are all guarded); a
+    # fresh cache keeps Dynamo under its recompile limit, past which it would quietly run FlexAttention
+    # unfused.
+    torch._dynamo.reset()
     q, k, v, doc, _ = random_case(doc_lens, dq=64, dv=64)
     qc, kc, vc = (t.cuda().requires_grad_() for t in (q, k, v))
-    out = flex_attention_varlen(qc, kc, vc, doc.cuda(), window, block=128)
+    out = flex_attention_varlen(qc, kc, vc, doc.cuda(), window, block=128, full_blocks=full_blocks)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     ref = naive_attention(qr, kr, vr, doc, window)
     # fp32 inputs: FlexAttention's kernel may use TF32 dot products, hence 2e-2 rather than 1e-5
     torch.testing.assert_close(out.cpu(), ref, atol=2e-2, rtol=0)
+    g = torch.randn_like(ref)
+    out.backward(g.cuda())
+    ref.backward(g)
+    for a, b in ((qc, qr), (kc, kr), (vc, vr)):
+        torch.testing.assert_close(a.grad.cpu(), b.grad, atol=5e-2, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("full_blocks", [True, False])
+@pytest.mark.parametrize("doc_lens,window", [c for c in CUDA_CASES if c[1] >= 2 * 128])
+def test_flex_attention_in_a_compiled_graph_on_cuda_matches_naive_forward_and_backward(
+    doc_lens, window, full_blocks
+):
+    # The compiled model's path: FlexAttention traced into the caller's graph, its block mask built there from
+    # a window given as a device tensor. Only the cases with full blocks: each is a compile of its own. Bounds
+    # as in the test above (TF32 dot products).
+    torch._dynamo.reset()
+    q, k, v, doc, _ = random_case(doc_lens, dq=64, dv=64)
+    attend = functools.partial(flex_attention_varlen, block=128, full_blocks=full_blocks)
+    f = torch.compile(attend, dynamic=False)
+    qc, kc, vc = (t.cuda().requires_grad_() for t in (q, k, v))
+    out = f(qc, kc, vc, doc.cuda(), torch.tensor(window, device="cuda"))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = naive_attention(qr, kr, vr, doc, window)
+    torch.testing.assert_close(out.detach().cpu(), ref.detach(), atol=2e-2, rtol=0)
     g = torch.randn_like(ref)
     out.backward(g.cuda())
     ref.backward(g)

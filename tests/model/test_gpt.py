@@ -7,6 +7,7 @@ mask: a masked key gets probability exactly 0, so its value cannot move another 
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 
 import pytest
@@ -172,6 +173,30 @@ def test_reference_and_flex_attention_paths_agree_on_cpu(tiny_fp32):
         torch.testing.assert_close(
             flex.logits(inputs, cu, WINDOWS), ref.logits(inputs, cu, WINDOWS), atol=1e-4, rtol=0
         )
+
+
+@pytest.mark.parametrize("full_blocks", [True, False])
+def test_attention_full_blocks_reaches_every_flex_call(tiny_fp32, monkeypatch, full_blocks):
+    from track_1_short.model import attention
+
+    seen = []
+
+    flex = attention.flex_attention_varlen
+
+    def spy(*args, **kwargs):
+        bound = inspect.signature(flex).bind(*args, **kwargs)
+        bound.apply_defaults()
+        seen.append(bound.arguments["full_blocks"])
+        return flex(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "flex_attention_varlen", spy)
+    inputs, _, cu = packed_batch([70, 58], seed=6)
+    m = copy.deepcopy(tiny_fp32).eval()
+    m.cfg.attention_impl = "flex"
+    m.cfg.attention_full_blocks = full_blocks
+    with torch.no_grad():
+        m.logits(inputs, cu, WINDOWS)
+    assert len(seen) == len(m.cfg.attn_layers) and set(seen) == {full_blocks}
 
 
 def test_initial_gates_and_mudd_coefficients_are_their_documented_biases(model):

@@ -8,7 +8,9 @@ Two paths compute it, chosen by ``ModelConfig.attention_impl``:
   "reference"  a plain masked softmax, query block by query block over only the keys the window can
                reach; runs anywhere, used on the CPU ("auto" picks it for CPU tensors).
   "flex"       FlexAttention with a block mask enumerated from the document starts and the window, so only the
-               key blocks the window can reach are visited ("auto" picks it for CUDA tensors, compiled once).
+               key blocks the window can reach are visited ("auto" picks it for CUDA tensors, compiled once);
+               blocks whose pairs are all visible are listed apart and skip the mask function
+               (``ModelConfig.attention_full_blocks``, kv_block_lists_split).
                On the CPU FlexAttention runs unfused and forward only (tests use it there at small sizes).
 Upstream (record #92) runs a patched FlashAttention-3 varlen kernel instead, with the window semantics above.
 
@@ -39,6 +41,15 @@ def visible(doc_q: Tensor, doc_k: Tensor, pos_q: Tensor, pos_k: Tensor, window: 
     return (doc_q == doc_k) & (pos_k <= pos_q) & (pos_q - pos_k <= window)
 
 
+def _document_firsts(doc_ids: Tensor) -> Tensor:
+    """int64 [S]: the position of the first token of each token's document (a run of equal ids)."""
+    s = doc_ids.numel()
+    pos = torch.arange(s, device=doc_ids.device)
+    is_start = torch.ones(s, dtype=torch.bool, device=doc_ids.device)
+    is_start[1:] = doc_ids[1:] != doc_ids[:-1]
+    return torch.cummax(torch.where(is_start, pos, torch.zeros_like(pos)), 0).values
+
+
 def kv_block_lists(doc_ids: Tensor, window: int | Tensor, block: int) -> tuple[Tensor, Tensor]:
     """For each block of ``block`` queries, the key blocks that can hold a visible key.
 
@@ -49,10 +60,7 @@ def kv_block_lists(doc_ids: Tensor, window: int | Tensor, block: int) -> tuple[T
     """
     s = doc_ids.numel()
     n_q = s // block
-    pos = torch.arange(s, device=doc_ids.device)
-    is_start = torch.ones(s, dtype=torch.bool, device=doc_ids.device)
-    is_start[1:] = doc_ids[1:] != doc_ids[:-1]
-    doc_first = torch.cummax(torch.where(is_start, pos, torch.zeros_like(pos)), 0).values  # [S]
+    doc_first = _document_firsts(doc_ids)
     first_q = torch.arange(n_q, device=doc_ids.device) * block  # [n_q]
     first_key = torch.maximum(first_q - window, doc_first[first_q]).clamp(min=0)
     lo = first_key // block  # [n_q]
@@ -60,6 +68,55 @@ def kv_block_lists(doc_ids: Tensor, window: int | Tensor, block: int) -> tuple[T
     idx = lo[:, None] + torch.arange(n_q, device=doc_ids.device)[None, :]  # [n_q, n_q], FlexAttention's width
     num = (hi - lo + 1).to(torch.int32)
     return num, torch.minimum(idx, hi[:, None]).to(torch.int32)
+
+
+def kv_block_lists_split(
+    doc_ids: Tensor, window: int | Tensor, block: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """kv_block_lists split into the blocks that need the mask and the blocks every pair of which is visible.
+
+    Returns (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), each pair in kv_block_lists'
+    layout (int32 [n] counts, int32 [n, n] rows listing their blocks first, in increasing order). It replaces
+    kv_block_lists in flex_attention_varlen: there every listed block ran mask_mod (two gathers of doc_ids and
+    three compares) on each of its block^2 pairs; FlexAttention's kernels skip mask_mod on "full" blocks
+    (BlockMask.from_kv_blocks' full_kv_num_blocks / full_kv_indices), and with windows of several blocks most
+    listed blocks are full. Upstream modded-nanogpt builds its masks the same way, a partial and a full list.
+
+    Key block kb is full for query block qb when every pair is visible: kb starts at or after the start of the
+    document holding qb's last query (documents are contiguous, so the whole span is one document), kb ends at
+    or before qb's first query (causal for every pair), and qb's last query is at most ``window`` after kb's
+    first key. Those bounds make the full blocks one run inside kv_block_lists' run [lo, qb]; the partial
+    blocks are the rest of it, [lo, first full) and (last full, qb]. Invariants, tested in
+    tests/model/test_attention.py: partial and full are disjoint, their union is kv_block_lists' list, a block
+    is full exactly when all its pairs are visible, and every listed block holds a visible pair. Tensor ops
+    only, so a window given as a device tensor costs no host sync and no recompile.
+    """
+    n = doc_ids.numel() // block
+    dev = doc_ids.device
+    doc_first = _document_firsts(doc_ids)
+    qb = torch.arange(n, device=dev)
+    first_q, last_q = qb * block, qb * block + block - 1
+    lo = torch.maximum(first_q - window, doc_first[first_q]).clamp(min=0) // block  # as kv_block_lists
+    hi = qb
+    # Full run [f_lo, f_hi]; ceil(x / block) is -(-x // block).
+    f_lo = torch.maximum(-(-doc_first[last_q] // block), -((window - last_q) // block)).clamp(min=0)
+    f_hi = (first_q - block + 1) // block  # qb - 1, or qb itself when block is 1
+    n_full = (f_hi - f_lo + 1).clamp(min=0)
+    # With no full block the partial run is all of [lo, hi]: an empty cut placed after hi.
+    cut_lo = torch.where(n_full > 0, f_lo, hi + 1)
+    cut_hi = torch.where(n_full > 0, f_hi, hi)
+    left = cut_lo - lo  # partial blocks before the full run
+    j = torch.arange(n, device=dev)[None, :]
+    part_idx = torch.where(j < left[:, None], lo[:, None] + j, cut_hi[:, None] + 1 + j - left[:, None])
+    n_part = left + hi - cut_hi
+    full_idx = f_lo[:, None] + j
+    # Entries past a row's count are ignored but kept in [0, n) so no kernel can index out of range.
+    return (
+        n_part.to(torch.int32),
+        torch.minimum(part_idx, hi[:, None]).to(torch.int32),
+        n_full.to(torch.int32),
+        full_idx.clamp(max=n - 1).to(torch.int32),
+    )
 
 
 # -- the two paths -------------------------------------------------------------------------------------------
@@ -103,12 +160,23 @@ def _flex_function(device_type: str):
 
 
 def flex_attention_varlen(
-    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, window: int | Tensor, block: int
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    doc_ids: Tensor,
+    window: int | Tensor,
+    block: int,
+    full_blocks: bool = True,
 ) -> Tensor:
     """The same attention through FlexAttention with a block-sparse mask. Shapes as reference_attention.
 
     The sequence is padded to a multiple of ``block`` with a document id of -1 (pads see only pads) and the
-    pad rows are dropped from the output.
+    pad rows are dropped from the output. ``full_blocks``: the block mask lists the blocks whose pairs are all
+    visible separately (kv_block_lists_split), so the kernel skips mask_mod there; False lists every block as
+    needing mask_mod (kv_block_lists), the reference the fast mask is checked against. Same mask either way,
+    but the compiled kernels visit a row's partial blocks before its full ones, so the online softmax sums in
+    another order and the two differ in rounding; eager FlexAttention (the CPU's) evaluates mask_mod on every
+    pair and never reads the block lists, so there they agree bitwise.
     """
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -118,13 +186,18 @@ def flex_attention_varlen(
         q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
         doc_ids = torch.cat([doc_ids, torch.full((pad,), -1, dtype=doc_ids.dtype, device=doc_ids.device)])
     sp = s + pad
-    num, idx = kv_block_lists(doc_ids, window, block)
+    if full_blocks:
+        num, idx, full_num, full_idx = kv_block_lists_split(doc_ids, window, block)
+        full = dict(full_kv_num_blocks=full_num[None, None], full_kv_indices=full_idx[None, None])
+    else:
+        num, idx = kv_block_lists(doc_ids, window, block)
+        full = {}
 
     def mask_mod(b, h, q_idx, kv_idx):
         return visible(doc_ids[q_idx], doc_ids[kv_idx], q_idx, kv_idx, window)
 
     block_mask = BlockMask.from_kv_blocks(
-        num[None, None], idx[None, None], BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(sp, sp)
+        num[None, None], idx[None, None], **full, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(sp, sp)
     )
     # [S, h, d] -> [1, h, S, d], FlexAttention's layout; q carries the softmax scale already.
     qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
@@ -140,9 +213,16 @@ def flex_attention_varlen(
 
 
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, window: int | Tensor, block: int, impl: str
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    doc_ids: Tensor,
+    window: int | Tensor,
+    block: int,
+    impl: str,
+    full_blocks: bool = True,
 ) -> Tensor:
-    """Dispatch on ``impl`` ("auto": flex on CUDA, reference elsewhere).
+    """Dispatch on ``impl`` ("auto": flex on CUDA, reference elsewhere); ``full_blocks`` goes to flex.
 
     Inside a compiled model FlexAttention is traced into the model's graph (Inductor lowers it with the block
     mask built in the same graph), so a forward is one graph per micro-batch shape: new documents, and windows
@@ -151,7 +231,7 @@ def attend(
     if impl == "auto":
         impl = "flex" if q.is_cuda else "reference"
     if impl == "flex":
-        return flex_attention_varlen(q, k, v, doc_ids, window, block)
+        return flex_attention_varlen(q, k, v, doc_ids, window, block, full_blocks)
     return reference_attention(q, k, v, doc_ids, window, block)
 
 
@@ -190,6 +270,8 @@ class PackedSequence:
     """Query block size of the reference path and FlexAttention's block size (tokens)."""
     impl: str
     """"auto", "reference" or "flex"."""
+    full_blocks: bool = True
+    """FlexAttention's mask lists the all-visible key blocks apart (ModelConfig.attention_full_blocks)."""
 
 
 def causal_self_attention(
@@ -243,7 +325,7 @@ def causal_self_attention(
     positions = torch.arange(q.size(0), device=x.device)
     q = (apply_rotary(q, positions, freq) * attn_scale).to(x.dtype)
     k = apply_rotary(k, positions, freq).to(x.dtype)
-    y = attend(q, k, v, doc_ids, window, seq.block, seq.impl)  # [S, h', dv]
+    y = attend(q, k, v, doc_ids, window, seq.block, seq.impl, seq.full_blocks)  # [S, h', dv]
     y = y.reshape(t, h, dv)
     if spec.xsa and xsa_alpha is not None:
         v = v.reshape(t, h, dv)

@@ -252,6 +252,10 @@ class ModelConfig:
     """YaRN: frequencies turning more times than this are kept."""
     attention_impl: str = "auto"
     """"auto" (FlexAttention on CUDA, the reference path elsewhere), "reference" or "flex"."""
+    attention_full_blocks: bool = True
+    """FlexAttention only: its block mask lists the key blocks whose pairs are all visible apart, so the
+    kernel skips the mask function on them (faster, same mask; the compiled kernels' sums differ in rounding).
+    False: every visited block runs the mask function, the reference the fast mask is checked against."""
 
     # -- head and loss --
     logit_cap: float = 23.0
@@ -1009,7 +1013,13 @@ class GPT(nn.Module):
         last = L - 1
         tokens = inputs.long()
         doc_start = lookback_starts(document_starts(cu_seqlens, t), cfg.cross_document_lookback)
-        seq = PackedSequence(document_ids(cu_seqlens, t), doc_start, cfg.block_size, cfg.attention_impl)
+        seq = PackedSequence(
+            document_ids(cu_seqlens, t),
+            doc_start,
+            cfg.block_size,
+            cfg.attention_impl,
+            cfg.attention_full_blocks,
+        )
         if isinstance(windows, Tensor):  # device values: one graph for every window of a compiled model
             window_tokens = tuple((windows.long() * cfg.block_size).unbind())
         else:
