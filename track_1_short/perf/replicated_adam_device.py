@@ -2,15 +2,16 @@
 
 What it replaces (``ReplicatedAdam(..., impl="device")``, OptimConfig.replicated_impl = "device"; "fused" is
 perf/replicated_adam.py's host path): per Adam step, the NumPy scalar table, its pinned upload and event wait,
-the foreach copy of the gradients, one all_reduce and one Triton launch per dtype. Measured on an H200
-(perf/RESULTS.md, the record's 13 tensors, one backward per Adam step): 127-129 us of host time per Adam
-step against 270-290 us for "fused"; of those, one replay of the update graph is about 7 us, and most of the
-rest is the 13 gradient hooks and the in-place accumulation into the flat gradient buffer (a launch per
-tensor, where autograd would otherwise hand over its fresh gradient). In the trainer the hooks run in every
-micro-batch's backward, and the two modes run the preset at the same speed (README "Defaults of the fast
-paths").
+the foreach copy of the gradients, one all_reduce and one Triton launch per dtype. Measured on an H100
+(perf/RESULTS.md, the record's 13 tensors, one backward per Adam step, gradients arriving fresh from the
+backward): 272.9 us of host time per Adam step against 265.5 for "fused", the same within their intervals.
+Its own calls cost 58 us against fused's 156 (one replay of the update graph is about 4 us), but the 13
+gradient hooks and the in-place adds into the zero-copy views (one launch per tensor, where autograd would
+otherwise keep the fresh gradient as .grad) cost about as much, in the backward. In the trainer they run in
+every micro-batch's backward, and the two modes run the preset at the same speed (README "Defaults of the
+fast paths").
 
-Why it is faster:
+Why its own calls cost less than fused's:
 - The table is computed on the device. Per step the host writes six fp64 numbers per parameter (lr, lr_mul,
   weight_decay, wd_mul, step, active) into pinned memory, copied up by the update graph itself (without
   graphs, through UploadRing); a one-program kernel computes step_size and eff_wd in fp64 from
