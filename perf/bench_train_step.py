@@ -59,12 +59,22 @@ def batch_flops_per_token(flops_per_token, model_cfg, cu_seqlens: torch.Tensor, 
     return total / sum(lengths)
 
 
-def matmul_tflops(size: int, device: torch.device, warmup: int = 10, reps: int = 20) -> float:
-    """bf16 rate of a size^3 torch.matmul on random data, median over ``reps`` timed calls, in TFLOP/s."""
+def matmul_tflops(
+    size: int, device: torch.device, warmup: int = 10, reps: int = 20, warmup_s: float = 0.0
+) -> float:
+    """bf16 rate of a size^3 torch.matmul on random data, median over ``reps`` timed calls, in TFLOP/s.
+
+    Warmup: at least ``warmup`` calls and, on CUDA, at least ``warmup_s`` seconds of them (an idle GPU takes
+    a while to reach its clocks; a short burst measured it up to 4.5% low)."""
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    for _ in range(warmup):
+    start = time.perf_counter()
+    done = 0
+    while done < warmup or (device.type == "cuda" and time.perf_counter() - start < warmup_s):
         torch.matmul(a, b)
+        done += 1
+        if device.type == "cuda" and done % 16 == 0:
+            torch.cuda.synchronize(device)  # the host clock then counts executed calls, not queued ones
     with Timer(device) as timer:
         for _ in range(reps):
             timer.mark()
@@ -73,6 +83,19 @@ def matmul_tflops(size: int, device: torch.device, warmup: int = 10, reps: int =
     marks = timer.elapsed_ms()
     median_ms = statistics.median(marks[2 * i + 1] - marks[2 * i] for i in range(reps))
     return 2 * size**3 / (median_ms * 1e-3) / 1e12
+
+
+RATE_REPS, RATE_WARMUP_S = 50, 0.5  # the rate probes of a run (CUDA): timed calls, and seconds of warmup
+
+
+def at_rate(row: dict, rate: float) -> dict:
+    """``row`` with its MFU and floors restated at matmul rate ``rate`` (TFLOP/s) instead of its own."""
+    ratio = row["matmul_tflops"] / rate
+    out = dict(row)
+    for key in ("mfu_pct", "ms_per_step_floor", "forward_ms_floor", "backward_ms_floor"):
+        out[key] = row[key] * ratio
+    out["matmul_tflops"] = rate
+    return out
 
 
 class Timer:
@@ -483,7 +506,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
         # The route trainer.run takes for these matmuls (cpu_bf16_matmul): the rate and the step use it alike.
         with cpu_bf16_matmul.route(bf16_matmul_route(tcfg, device)[0]):
-            rate = matmul_tflops(args.matmul_size, device)
+            rate = matmul_tflops(args.matmul_size, device, reps=RATE_REPS, warmup_s=RATE_WARMUP_S)
             print(f"bf16 matmul {args.matmul_size}^3: {rate:.4g} TFLOP/s on {meta['device']}", flush=True)
             run_device = distributed.init(args.device)
             trainer = Trainer(tcfg, OmegaConf.to_container(cfg, resolve=True), run_device)
@@ -498,6 +521,15 @@ def main(argv: list[str] | None = None) -> dict:
             finally:
                 trainer.loader.close()
                 trainer.log.close()
+            # The rate again, after the stages: MFU and floors are stated at the higher of the two, what this
+            # GPU does, so that a probe that caught it below its clocks cannot inflate MFU.
+            again = matmul_tflops(args.matmul_size, device, reps=RATE_REPS, warmup_s=RATE_WARMUP_S)
+            print(f"bf16 matmul {args.matmul_size}^3 after the stages: {again:.4g} TFLOP/s", flush=True)
+            rates = [rate, again]
+            if again > rate:  # the stage lines above used the first probe
+                rows = [at_rate(row, again) for row in rows]
+                for row in rows:
+                    print(f"at {again:.4g} TFLOP/s: {stage_note(row)}", flush=True)
     tables = {
         f"stage {row['stage']}: the costliest kernels of a profiled Adam cycle, per step": row.pop(
             "top_kernels"
@@ -516,12 +548,15 @@ def main(argv: list[str] | None = None) -> dict:
         **meta,
         "title": f"Trainer.train_step, {' '.join(args.overrides)}, world size 1",
         "overrides": args.overrides,
+        "matmul_tflops_probes": rates,
         "rows": rows,
         **({"tables": tables} if tables else {}),
         "notes": [stage_note(r) for r in rows]
         + [
             "ms_per_step: the Adam cycle's mean of per-kind medians. Floors: the FLOPs (flops_per_token x "
             "tokens) at the matmul rate measured in this run; forward and backward: 1/3 and 2/3 of that.",
+            "matmul_tflops: the higher of two probes of the rate, before and after the stages "
+            "(matmul_tflops_probes); MFU and the floors are stated at it.",
         ],
     }
     if args.out is not None:

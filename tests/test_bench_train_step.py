@@ -195,3 +195,18 @@ def test_parse_refuses_too_few_timed_steps(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cpu", "--steps", "1"])
     assert "--steps >= 2" in capsys.readouterr().err
+
+
+def test_a_row_restated_at_a_higher_rate_has_lower_mfu_and_floors_and_nothing_else_moves():
+    row = {"mfu_pct": 50.0, "matmul_tflops": 750.0, "ms_per_step": 600.0, "ms_per_step_floor": 300.0,
+           "forward_ms_floor": 100.0, "backward_ms_floor": 200.0, "tokens_per_s": 6e5}  # fmt: skip
+    out = bench.at_rate(row, 800.0)
+    assert out["matmul_tflops"] == 800.0
+    assert out["mfu_pct"] == 50.0 * 750.0 / 800.0  # MFU is inversely proportional to the rate
+    assert (out["ms_per_step_floor"], out["forward_ms_floor"], out["backward_ms_floor"]) == (
+        300.0 * 750.0 / 800.0,
+        100.0 * 750.0 / 800.0,
+        200.0 * 750.0 / 800.0,
+    )
+    assert out["ms_per_step"] == 600.0 and out["tokens_per_s"] == 6e5
+    assert row["mfu_pct"] == 50.0  # the input row is left as it was

@@ -105,6 +105,8 @@ def test_bench_runs_tiny_on_cpu_and_writes_what_results_renders(tmp_path):
     assert set(REQUIRED_KEYS) <= set(payload)
     assert payload["command"].endswith("perf/bench_train_step.py " + " ".join(flags))
     assert [row["stage"] for row in payload["rows"]] == [0]
+    probes = payload["matmul_tflops_probes"]  # before and after the stages; the rows use the higher
+    assert len(probes) == 2 and all(row["matmul_tflops"] == max(probes) for row in payload["rows"])
     for row in payload["rows"]:
         assert row["tokens"] == 1024  # the smoke preset's stage 0 batch, at world size 1
         assert row["compiled"] is False
