@@ -11,14 +11,16 @@ Each round is written with the smaller Gram matrix: for a tall X (rows > cols) A
 X <- a X + X (b A + c A^2); otherwise A = X X^T and X <- a X + (b A + c A^2) X. The normalisation is free: the
 first Gram is taken on the raw input and its trace is ||X||_F^2 >= s_max^2, so dividing X by
 d = margin * sqrt(trace) * BF16_HEADROOM + eps (and A by d^2) bounds every singular value by 1/margin, bf16
-rounding included, without a separate norm pass. Matmuls run in bf16 with fp32 accumulation (torch's
-bmm/baddbmm); the scaling runs in fp32.
+rounding included, without a separate norm pass. Matmuls run in bf16 with fp32 accumulation; the scaling
+runs in fp32. ``gram`` picks what computes the two symmetric products of a round (A and b A + c A A): "bmm"
+(torch's bmm/baddbmm, the reference) or "triton" (:mod:`track_1_short.perf.kernels.sym_gram`: only the tiles on
+or above the diagonal, mirrored). The application a X + X B is a torch.baddbmm in both.
 
 Provenance: the maps and the trace trick are those of the upstream record "#360 (ANVIL2)"
 (``ANVIL_MAPS``, ``FROBENIUS_MARGIN``, ``FROBENIUS_EPS`` in modded-nanogpt's
 ``track_1_short/optim/anvil.py``), a successor of the Polar Express cascade (Amsel et al., 2025) used by
-Muon/NorMuon. Upstream computes the Gram matrices with symmetric Triton kernels (half the FLOPs); this module
-uses plain batched matmuls.
+Muon/NorMuon. Upstream computes the Gram matrices with symmetric Triton kernels (half the FLOPs); here they are
+the opt-in ``gram="triton"``.
 """
 
 from __future__ import annotations
@@ -51,17 +53,30 @@ Measured: half of random rank-1 bf16 matrices left the band, some at 24. This fa
 0.8%, inside the flat part of the maps."""
 
 
-def _gram(x: torch.Tensor, tall: bool) -> torch.Tensor:
+GRAMS = ("bmm", "triton")
+"""The values of ``orthogonalize``'s ``gram`` (``OptimConfig.cascade_gram``)."""
+
+
+def _gram(x: torch.Tensor, tall: bool, gram: str) -> torch.Tensor:
     # [B, s, s] with s = min(rows, cols): the cheaper of X^T X and X X^T.
+    if gram == "triton":
+        return torch.ops.track_1_short.sym_gram(x, tall)
     return torch.bmm(x.mT, x) if tall else torch.bmm(x, x.mT)
 
 
-def orthogonalize(x: torch.Tensor, margin: float = 1.05) -> torch.Tensor:
+def _poly(gram_matrix: torch.Tensor, b: float, c: float, gram: str) -> torch.Tensor:
+    # b A + c A A, [B, s, s]
+    if gram == "triton":
+        return torch.ops.track_1_short.sym_poly(gram_matrix, b, c)
+    return torch.baddbmm(gram_matrix, gram_matrix, gram_matrix, beta=b, alpha=c)
+
+
+def orthogonalize(x: torch.Tensor, margin: float = 1.05, gram: str = "bmm") -> torch.Tensor:
     """Map each matrix of a bf16 batch [B, rows, cols] to one with singular values close to 1 (bf16, same
     shape).
 
-    ``margin`` (> 1) scales the Frobenius-norm bound; the maps are derived for 1.05. The input is not
-    modified.
+    ``margin`` (> 1) scales the Frobenius-norm bound; the maps are derived for 1.05. ``gram``: one of
+    :data:`GRAMS` (see the module docstring). The input is not modified.
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -70,17 +85,23 @@ def orthogonalize(x: torch.Tensor, margin: float = 1.05) -> torch.Tensor:
         raise TypeError(f"orthogonalize: expected a bf16 tensor, got {x.dtype}; cast it with .bfloat16().")
     if not margin > 1.0:
         raise ValueError(f"orthogonalize: margin={margin} must be > 1 (the maps diverge above 1/margin).")
+    if gram not in GRAMS:
+        raise ValueError(f"orthogonalize: gram={gram!r} must be one of {list(GRAMS)}.")
+    if gram == "triton":
+        from track_1_short.perf.kernels import sym_gram  # registers the ops; imports Triton only when asked
+
+        sym_gram.check_device(x.device, "orthogonalize(gram='triton')")
     tall = x.size(-2) > x.size(-1)
-    gram = _gram(x, tall)
+    big_a = _gram(x, tall, gram)
     # trace(A) = ||X||_F^2, summed in fp32 from the bf16 Gram's diagonal: [B, 1, 1].
-    trace = gram.diagonal(dim1=-2, dim2=-1).float().sum(-1).view(-1, 1, 1)
+    trace = big_a.diagonal(dim1=-2, dim2=-1).float().sum(-1).view(-1, 1, 1)
     norm = trace.sqrt().mul_(margin * BF16_HEADROOM).add_(FROBENIUS_EPS)
     x = (x.float() / norm).bfloat16()
-    gram = (gram.float() / norm.square()).bfloat16()
+    big_a = (big_a.float() / norm.square()).bfloat16()
     for i, (a, b, c) in enumerate(ANVIL_MAPS):
         if i > 0:
-            gram = _gram(x, tall)
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A A, [B, s, s]
+            big_a = _gram(x, tall, gram)
+        poly = _poly(big_a, b, c, gram)
         x = torch.baddbmm(x, x, poly, beta=a) if tall else torch.baddbmm(x, poly, x, beta=a)
     return x
 
