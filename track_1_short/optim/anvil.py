@@ -51,6 +51,7 @@ import torch
 from track_1_short import distributed
 from track_1_short.optim import adam as reference_adam
 from track_1_short.optim.anvil_bank import AnvilBank, scalar_row, scalars_size
+from track_1_short.optim.polar_express import GRAMS
 from track_1_short.optim.param_config import (
     ParamConfig,
     ParamTableError,
@@ -74,6 +75,7 @@ STATE_FORMAT = "anvil_adam/1"
 REPLICATED_IMPLS = ("fused", "device", "reference")
 SCALAR_UPLOADS = ("batched", "per_bank")
 BANK_UPDATES = ("eager", "compiled")
+CASCADE_GRAMS = GRAMS
 
 
 @dataclass
@@ -124,6 +126,13 @@ class OptimConfig:
     through Inductor they agree within fp32 rounding on the CPU (tests/optim/test_anvil_bank_compiled.py).
     On an H200 compiled takes the track-1 banks' step from 8.78 to 4.76 ms (perf/RESULTS.md); it stays
     opt-in until its CUDA agreement tests pass (two failed on their first H200 run)."""
+    cascade_gram: str = "bmm"
+    """What computes the two symmetric products of each cascade round (the Gram A and b A + c A A): "bmm"
+    (torch.bmm/baddbmm, the reference) or "triton" (track_1_short/perf/kernels/sym_gram.py: only the output
+    tiles on or above the diagonal, mirrored; a little over half those multiply-adds). They agree within bf16
+    rounding (tests/perf/test_sym_gram.py), not bitwise. "triton" needs CUDA, or Triton's interpreter on the
+    CPU (TRITON_INTERPRET=1, which CPU runs and tests set); it works with either bank_update. Off by default
+    until it is timed on a GPU: no measurement of it exists yet."""
     adam_every: int = 2
     """Adam updates on steps with step % adam_every == adam_every - 1 (upstream: odd steps)."""
     value_embed_period4_start: int = 336
@@ -164,6 +173,8 @@ def validate_optim_config(cfg) -> None:
         raise ValueError(f"optim.scalar_upload={cfg.scalar_upload!r} must be one of {list(SCALAR_UPLOADS)}.")
     if cfg.bank_update not in BANK_UPDATES:
         raise ValueError(f"optim.bank_update={cfg.bank_update!r} must be one of {list(BANK_UPDATES)}.")
+    if cfg.cascade_gram not in CASCADE_GRAMS:
+        raise ValueError(f"optim.cascade_gram={cfg.cascade_gram!r} must be one of {list(CASCADE_GRAMS)}.")
     if cfg.adam_every < 1:
         raise ValueError(f"optim.adam_every={cfg.adam_every} must be >= 1 (1 = Adam on every step).")
     if cfg.rail_engage_step < 0:
@@ -253,6 +264,10 @@ class AnvilAndAdam:
             from track_1_short.perf.bank_compile import compiled_bank_update
 
             update_fn = compiled_bank_update()  # one callable, one graph per bank on its first step
+        if bank_shards and cfg.cascade_gram == "triton":
+            from track_1_short.perf.kernels.sym_gram import check_device
+
+            check_device(self.device, "optim.cascade_gram=triton")  # here, not at the first step
         for label, shards in bank_shards.items():
             c = self.param_cfgs[label]
             self.banks[label] = AnvilBank(
@@ -264,6 +279,7 @@ class AnvilAndAdam:
                 margin=cfg.frobenius_margin,
                 scalars=None if self._bank_staging is None else self._bank_staging.view(label),
                 update_fn=update_fn,
+                gram=cfg.cascade_gram,
             )
         self._fused = None
         if self.replicated_labels and cfg.replicated_impl in ("fused", "device"):

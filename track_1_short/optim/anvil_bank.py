@@ -129,18 +129,20 @@ def bank_update_(
     slow_beta: float,
     margin: float,
     red_dim: int,
+    gram: str = "bmm",
 ) -> None:
     """One ANVIL step of a chunk (steps 1-4 of the module docstring), in place on ``weight``, ``velocity``,
     ``lane_energy`` and ``mantissa`` (the roles of :class:`AnvilBank`).
 
     Everything that changes between steps is read from the device tensor ``scalars``; the keyword arguments
     are fixed for a bank's life. So a compiled graph of this function (:mod:`track_1_short.perf.bank_compile`)
-    is made once per bank and replayed every step, and reads no host value."""
+    is made once per bank and replayed every step, and reads no host value. ``gram``: what computes the
+    cascade's symmetric products (``OptimConfig.cascade_gram``, :func:`orthogonalize`)."""
     momentum, eff_wd, fast_beta, fast_weight = scalars[:_N_SCALARS].unbind()
     eff_lr = scalars[_N_SCALARS:].view(-1, 1, 1)
     g = grad.float()
     u = twin_rails_(velocity, g, momentum, fast_beta, fast_weight, slow_beta)
-    v = orthogonalize(u.bfloat16(), margin).float()
+    v = orthogonalize(u.bfloat16(), margin, gram).float()
     equalise_lanes_(v, lane_energy, beta2, red_dim)
     sign_gated_step_(weight, mantissa, v, velocity[1], eff_lr, eff_wd)
 
@@ -154,7 +156,8 @@ class AnvilBank:
     [chunk, rows, cols]; ``scalars`` fp32 [4 + chunk]: momentum, eff_wd, fast_beta, fast_weight, eff_lr per
     matrix (its own tensor, or the given ``scalars``: a slice of a buffer shared by every bank).
     ``update_fn``: what :meth:`update` calls, :func:`bank_update_` (eager) unless given its compiled graph
-    (:func:`track_1_short.perf.bank_compile.compiled_bank_update`).
+    (:func:`track_1_short.perf.bank_compile.compiled_bank_update`). ``gram``: the cascade's symmetric products,
+    "bmm" or "triton" (``OptimConfig.cascade_gram``), passed to it with the other constants.
     """
 
     def __init__(
@@ -167,6 +170,7 @@ class AnvilBank:
         margin: float,
         scalars: torch.Tensor | None = None,
         update_fn: Callable[..., None] | None = None,
+        gram: str = "bmm",
     ):
         chunk, rows, cols = grad.shape
         size = scalars_size(chunk)
@@ -193,8 +197,9 @@ class AnvilBank:
         self.scalars = scalars
         self.momentum, self.eff_wd, self.fast_beta, self.fast_weight = self.scalars[:_N_SCALARS].unbind()
         self.eff_lr = self.scalars[_N_SCALARS:].view(chunk, 1, 1)
+        self.gram = gram
         self.constants = dict(
-            beta2=self.beta2, slow_beta=self.slow_beta, margin=self.margin, red_dim=self.red_dim
+            beta2=self.beta2, slow_beta=self.slow_beta, margin=self.margin, red_dim=self.red_dim, gram=gram
         )
         self.update_fn = bank_update_ if update_fn is None else update_fn
 
