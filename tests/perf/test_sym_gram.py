@@ -80,6 +80,15 @@ def test_gram_is_exactly_symmetric_and_within_rounding_of_the_fp32_product(shape
     assert_rounding_close(out, bmm, err)
 
 
+def test_gram_rounds_once_to_nearest_even():
+    # K = 1: every entry is one exact product x_p x_q (in fp32), so no summation order is involved and the
+    # result must be exactly its round-to-nearest-even bf16 (truncation would be up to 1 ulp off).
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 1, 37, generator=gen).bfloat16()
+    out = K.gram_(x, nan_out(2, 37), True, **SMALL)
+    assert torch.equal(out, (x.float().mT @ x.float()).bfloat16())
+
+
 def test_gram_default_tiles_and_the_custom_op_agree_with_the_small_tiles():
     # One 128 x 128 tile covers s = 37 here: the default path, and the op the cascade calls.
     gen = torch.Generator().manual_seed(3)
