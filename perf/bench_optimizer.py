@@ -3,6 +3,7 @@
     python perf/bench_optimizer.py --out perf/results/optimizer.json                 # CUDA, track-1 banks
     python perf/bench_optimizer.py --device cpu --out /tmp/optimizer.json            # CPU: small banks
     python perf/bench_optimizer.py --bank-update eager compiled --out /tmp/optimizer.json  # both arms
+    python perf/bench_optimizer.py --cascade-gram bmm triton --out /tmp/optimizer.json    # Gram kernels
 
 The banks are the record's (reshape views): qk [48, 256, 768] (wide), vo [16, 768, 768] (square), mlp
 [24, 2816, 768] (tall, c_proj x2, two frozen matrices), bf16, random weights and gradients. ``--shapes small``
@@ -15,13 +16,18 @@ arm (``optim.bank_update``: ``eager``, ``compiled``; default both on CUDA, eager
 the optimizer with that setting and times its own ``update()`` and ``step()``, so the compiled arm times the
 graphs the optimizer made (track_1_short/perf/bank_compile.py), not a copy of them:
 
-- ``bank_update``: the arm; ``compile_s``: the compiled arm's first ``update()`` of the bank (Dynamo and
-  Inductor), wall seconds, untimed otherwise; ``vs_eager``: the eager arm's ``step_ms`` over this row's;
+Arms are crossed with ``--cascade-gram`` (``optim.cascade_gram``: ``bmm``, ``triton``; default bmm): what
+computes the cascade's symmetric products (track_1_short/perf/kernels/sym_gram.py). Its arms time the same
+update with the Gram kernels in place of bmm/baddbmm; ``cascade_ms`` shows their effect on the cascade alone.
+
+- ``bank_update``: the arm; ``cascade_gram``: the arm's Gram route; ``compile_s``: the compiled arm's first ``update()`` of the bank (Dynamo and
+  Inductor), wall seconds, untimed otherwise; ``vs_eager``: the eager arm's ``step_ms`` over this row's (same cascade_gram);
+  ``vs_bmm``: the bmm arm's ``step_ms`` over this row's (same bank_update);
 - ``step_ms``: the bank's ``update()`` (the total row: the whole optimizer step), mean over ``--steps`` after
   ``--warmup``, CUDA events on the GPU, perf_counter on the CPU;
 - ``cascade_ms``: ``orthogonalize`` alone on the bank's chunk (compiled the same way in the compiled arm);
   ``rest_ms = step_ms - cascade_ms``;
-- ``cascade_ms_floor``: the cascade's matmul FLOPs (``cascade_flops``, plain matmuls) at the bf16 matmul rate
+- ``cascade_ms_floor``: the cascade's matmul FLOPs (``cascade_flops``, plain matmuls, also in the triton arm) at the bf16 matmul rate
   measured in the same run (median of repeated n^3 matmuls, n = 8192 on CUDA, 512 on the CPU);
 - ``rest_ms_floor``: the bytes the elementwise part must move at least, 28 per bank element (read the bf16
   gradient 2, read and write both fp32 rails 16, the bf16 weight 4 and the uint16 mantissa 4, read the cascade
@@ -43,7 +49,7 @@ from collections.abc import Callable
 
 import torch
 
-from track_1_short.optim.anvil import BANK_UPDATES, AnvilAndAdam, OptimConfig
+from track_1_short.optim.anvil import BANK_UPDATES, CASCADE_GRAMS, AnvilAndAdam, OptimConfig
 from track_1_short.optim.polar_express import cascade_flops, orthogonalize
 from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
 
@@ -106,7 +112,7 @@ def copy_gbps(device: torch.device, numel: int, repeats: int = 5) -> float:
     return 2 * src.numel() * src.element_size() / (statistics.median(times) * 1e-3) / 1e9
 
 
-def build(banks: dict, device: torch.device, bank_update: str = "eager"):
+def build(banks: dict, device: torch.device, bank_update: str = "eager", cascade_gram: str = "bmm"):
     gen = torch.Generator(device=device).manual_seed(0)
     named, table, grads = [], {}, {}
     for label, (shape, reshape, mults) in banks.items():
@@ -124,7 +130,7 @@ def build(banks: dict, device: torch.device, bank_update: str = "eager"):
         }
         grads[label] = torch.randn(shape, generator=gen, device=device).bfloat16()
     order = list(banks)
-    opt = AnvilAndAdam(named, table, order, order, OptimConfig(bank_update=bank_update))
+    opt = AnvilAndAdam(named, table, order, order, OptimConfig(bank_update=bank_update, cascade_gram=cascade_gram))
     opt.set_schedule(1.0, 0.93, 100)
     return named, opt, grads
 
@@ -137,8 +143,9 @@ def measure(
     tflops: float,
     gbps: float,
     bank_update: str = "eager",
+    cascade_gram: str = "bmm",
 ) -> list[dict]:
-    named, opt, grads = build(banks, device, bank_update)
+    named, opt, grads = build(banks, device, bank_update, cascade_gram)
     compiled = bank_update == "compiled"
     cascade = orthogonalize
     if compiled:
@@ -159,13 +166,19 @@ def measure(
             sync(device)
             extra["compile_s"] = time.perf_counter() - t0
         step_ms = time_ms(bank.update, device, steps, warmup)
-        cascade_ms = time_ms(lambda x=x: cascade(x), device, steps, max(warmup, 1 if compiled else 0))
+        cascade_ms = time_ms(
+            lambda x=x: cascade(x, opt.cfg.frobenius_margin, cascade_gram),
+            device,
+            steps,
+            max(warmup, 1 if compiled else 0),
+        )
         flops = cascade_flops(chunk, r, c)
         rows.append(
             {
                 "bank": label,
                 "bank_update": bank_update,
                 "matrices": f"{chunk} x {r} x {c}",
+                "cascade_gram": cascade_gram,
                 **extra,
                 "step_ms": step_ms,
                 "cascade_ms": cascade_ms,
@@ -191,6 +204,7 @@ def measure(
             "bank": "optimizer step (all banks)",
             "bank_update": bank_update,
             "matrices": "",
+            "cascade_gram": cascade_gram,
             "step_ms": total_ms,
             "cascade_ms": total["cascade_ms"],
             "cascade_ms_floor": total["cascade_ms_floor"],
@@ -203,22 +217,28 @@ def measure(
 
 
 def add_vs_eager(rows: list[dict]) -> None:
-    """Give every row ``vs_eager`` (eager step_ms / its step_ms) when the eager arm was measured."""
-    eager = {r["bank"]: r["step_ms"] for r in rows if r["bank_update"] == "eager"}
-    if eager:
-        for r in rows:
-            r["vs_eager"] = eager[r["bank"]] / r["step_ms"]
+    """Give every row ``vs_eager`` (eager step_ms / its step_ms, same cascade_gram) when the eager arm was
+    measured, and ``vs_bmm`` (bmm step_ms / its step_ms, same bank_update) when both Gram routes were."""
+    eager = {(r["bank"], r["cascade_gram"]): r["step_ms"] for r in rows if r["bank_update"] == "eager"}
+    bmm = {(r["bank"], r["bank_update"]): r["step_ms"] for r in rows if r["cascade_gram"] == "bmm"}
+    both_grams = len({r["cascade_gram"] for r in rows}) > 1
+    for r in rows:
+        if (r["bank"], r["cascade_gram"]) in eager:
+            r["vs_eager"] = eager[(r["bank"], r["cascade_gram"])] / r["step_ms"]
+        if both_grams and (r["bank"], r["bank_update"]) in bmm:
+            r["vs_bmm"] = bmm[(r["bank"], r["bank_update"])] / r["step_ms"]
 
 
 def print_table(rows: list[dict]) -> None:
     print(
-        f"{'bank':<28}{'arm':>9}{'matrices':>18}{'step ms':>10}{'cascade':>10}{'floor':>9}{'rest':>10}"
-        f"{'floor':>9}"
+        f"{'bank':<28}{'arm':>9}{'gram':>7}{'matrices':>18}{'step ms':>10}{'cascade':>10}{'floor':>9}"
+        f"{'rest':>10}{'floor':>9}"
     )
     for r in rows:
         print(
-            f"{r['bank']:<28}{r['bank_update']:>9}{r['matrices']:>18}{r['step_ms']:>10.3f}{r['cascade_ms']:>10.3f}"
-            f"{r['cascade_ms_floor']:>9.3f}{r['rest_ms']:>10.3f}{r['rest_ms_floor']:>9.3f}"
+            f"{r['bank']:<28}{r['bank_update']:>9}{r['cascade_gram']:>7}{r['matrices']:>18}"
+            f"{r['step_ms']:>10.3f}{r['cascade_ms']:>10.3f}{r['cascade_ms_floor']:>9.3f}{r['rest_ms']:>10.3f}"
+            f"{r['rest_ms_floor']:>9.3f}"
         )
 
 
@@ -237,6 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         help="optim.bank_update arms, measured in this order in one run (default: eager compiled on cuda, "
         "eager on cpu)",
     )
+    parser.add_argument(
+        "--cascade-gram",
+        nargs="+",
+        choices=CASCADE_GRAMS,
+        default=None,
+        help="optim.cascade_gram arms, crossed with the bank_update arms (default: bmm)",
+    )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -254,7 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     tflops = matmul_tflops(device, n)
     gbps = copy_gbps(device, 1 << (28 if cuda else 22))
     arms = args.bank_update or (["eager", "compiled"] if cuda else ["eager"])
-    rows = [r for arm in arms for r in measure(banks, device, steps, warmup, tflops, gbps, arm)]
+    grams = args.cascade_gram or ["bmm"]
+    rows = [
+        r
+        for arm in arms
+        for gram in grams
+        for r in measure(banks, device, steps, warmup, tflops, gbps, arm, gram)
+    ]
     add_vs_eager(rows)
     rates = f"bf16 matmul {tflops:.2f} TFLOP/s, copy {gbps:.0f} GB/s"
     print(f"{device}, {shapes} banks, {steps} timed steps; {rates}")
@@ -265,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             "title": "ANVIL optimizer step, track-1 banks, world size 1",
             "banks": shapes,
             "bank_update": arms,
+            "cascade_gram": grams,
             "timed_steps": steps,
             "matmul_tflops": tflops,
             "matmul_n": n,
@@ -277,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                 "step's gradient and gather copies)",
                 "bank_update: optim.bank_update of the arm (compiled: one torch.compile graph per bank, "
                 "compile_s its first call); vs_eager: the eager arm's step_ms over the row's",
+                "cascade_gram: optim.cascade_gram of the arm (triton: the symmetric Gram kernels); vs_bmm: the "
+                "bmm arm's step_ms over the row's",
             ],
         }
         write_bench_json(args.out, payload)

@@ -64,3 +64,27 @@ def test_both_bank_update_arms_are_measured_in_one_run_and_rendered(tmp_path, mo
     assert "| bank | bank_update | matrices |" in text and "compile_s" in text and "vs_eager" in text
     assert text.count("| compiled |") == per_arm
     torch._dynamo.reset()
+
+
+def test_both_cascade_gram_arms_are_measured_in_one_run(tmp_path):
+    # Each arm builds the optimizer with its optim.cascade_gram (on the CPU the Triton kernels run in the
+    # interpreter), so its banks' updates call the symmetric Gram kernels; only the structure is checked here.
+    import torch
+
+    bench = load_bench()
+    _, opt, _ = bench.build(bench.SMALL_BANKS, torch.device("cpu"), "eager", "triton")
+    assert all(b.constants["gram"] == "triton" for b in opt.banks.values())
+    out = tmp_path / "optimizer.json"
+    args = ["--device", "cpu", "--steps", "1", "--warmup", "0", "--matmul-size", "128"]
+    assert bench.main([*args, "--cascade-gram", "bmm", "triton", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    check_bench_payload(payload, str(out))
+    assert payload["cascade_gram"] == ["bmm", "triton"]
+    rows = payload["rows"]
+    per_arm = len(bench.SMALL_BANKS) + 1
+    assert [r["cascade_gram"] for r in rows] == ["bmm"] * per_arm + ["triton"] * per_arm
+    for bmm, triton in zip(rows[:per_arm], rows[per_arm:], strict=True):
+        assert bmm["bank"] == triton["bank"] and bmm["vs_bmm"] == 1.0
+        assert abs(triton["vs_bmm"] - bmm["step_ms"] / triton["step_ms"]) < 1e-12
+        assert triton["vs_eager"] == 1.0  # the eager arm of its own Gram route
+        assert triton["cascade_ms"] > 0
