@@ -134,7 +134,8 @@ def _sym_gram_kernel(
     # written once and a diagonal tile's own lower half (summed separately) is never stored.
     lower = out_base + cols[:, None] * out_row_stride + rows[None, :] * out_col_stride
     mirrored = tl.trans(bits)
-    tl.store(lower, mirrored, mask=tl.trans(in_bounds) & (cols[:, None] > rows[None, :]))
+    mirror_in = cols_in[:, None] & rows_in[None, :] & (cols[:, None] > rows[None, :])
+    tl.store(lower, mirrored, mask=mirror_in)
 
 
 def interpreted() -> bool:
