@@ -20,15 +20,17 @@ Arms are crossed with ``--cascade-gram`` (``optim.cascade_gram``: ``bmm``, ``tri
 computes the cascade's symmetric products (track_1_short/perf/kernels/sym_gram.py). Its arms time the same
 update with the Gram kernels in place of bmm/baddbmm; ``cascade_ms`` shows their effect on the cascade alone.
 
-- ``bank_update``: the arm; ``cascade_gram``: the arm's Gram route; ``compile_s``: the compiled arm's first ``update()`` of the bank (Dynamo and
-  Inductor), wall seconds, untimed otherwise; ``vs_eager``: the eager arm's ``step_ms`` over this row's (same cascade_gram);
-  ``vs_bmm``: the bmm arm's ``step_ms`` over this row's (same bank_update);
+- ``bank_update``: the arm; ``cascade_gram``: the arm's Gram route; ``compile_s``: the compiled arm's first
+  ``update()`` of the bank (Dynamo and Inductor), wall seconds, untimed otherwise; ``vs_eager``: the eager
+  arm's ``step_ms`` over this row's (same cascade_gram); ``vs_bmm``: the bmm arm's ``step_ms`` over this
+  row's (same bank_update);
 - ``step_ms``: the bank's ``update()`` (the total row: the whole optimizer step), mean over ``--steps`` after
   ``--warmup``, CUDA events on the GPU, perf_counter on the CPU;
 - ``cascade_ms``: ``orthogonalize`` alone on the bank's chunk (compiled the same way in the compiled arm);
   ``rest_ms = step_ms - cascade_ms``;
-- ``cascade_ms_floor``: the cascade's matmul FLOPs (``cascade_flops``, plain matmuls, also in the triton arm) at the bf16 matmul rate
-  measured in the same run (median of repeated n^3 matmuls, n = 8192 on CUDA, 512 on the CPU);
+- ``cascade_ms_floor``: the cascade's matmul FLOPs (``cascade_flops``, plain matmuls, also in the triton
+  arm) at the bf16 matmul rate measured in the same run (median of repeated n^3 matmuls, n = 8192 on CUDA,
+  512 on the CPU);
 - ``rest_ms_floor``: the bytes the elementwise part must move at least, 28 per bank element (read the bf16
   gradient 2, read and write both fp32 rails 16, the bf16 weight 4 and the uint16 mantissa 4, read the cascade
   output 2), at the device-to-device copy rate measured in the same run (bytes read + written per second).
@@ -130,7 +132,9 @@ def build(banks: dict, device: torch.device, bank_update: str = "eager", cascade
         }
         grads[label] = torch.randn(shape, generator=gen, device=device).bfloat16()
     order = list(banks)
-    opt = AnvilAndAdam(named, table, order, order, OptimConfig(bank_update=bank_update, cascade_gram=cascade_gram))
+    opt = AnvilAndAdam(
+        named, table, order, order, OptimConfig(bank_update=bank_update, cascade_gram=cascade_gram)
+    )
     opt.set_schedule(1.0, 0.93, 100)
     return named, opt, grads
 
@@ -311,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                 "step's gradient and gather copies)",
                 "bank_update: optim.bank_update of the arm (compiled: one torch.compile graph per bank, "
                 "compile_s its first call); vs_eager: the eager arm's step_ms over the row's",
-                "cascade_gram: optim.cascade_gram of the arm (triton: the symmetric Gram kernels); vs_bmm: the "
-                "bmm arm's step_ms over the row's",
+                "cascade_gram: optim.cascade_gram of the arm (triton: the symmetric Gram kernels); "
+                "vs_bmm: the bmm arm's step_ms over the row's",
             ],
         }
         write_bench_json(args.out, payload)

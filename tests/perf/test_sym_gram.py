@@ -29,7 +29,7 @@ BANK_SHAPES = {"qk": (48, 256, 768), "vo": (16, 768, 768), "mlp": (24, 2816, 768
 
 
 def bf16_ulp(t: torch.Tensor) -> torch.Tensor:
-    """Spacing of bf16 numbers at |t| (fp64): 2^(e - 8) for |t| in [2^(e-1), 2^e); at 0, the least normal's."""
+    """Spacing of bf16 numbers at |t| (fp64): 2^(e - 8) for |t| in [2^(e-1), 2^e); at 0 the least normal's."""
     t = t.double().abs().clamp_min(2.0**-126)
     _, e = torch.frexp(t)
     return torch.ldexp(torch.ones_like(t), e - 8)

@@ -51,13 +51,13 @@ import torch
 from track_1_short import distributed
 from track_1_short.optim import adam as reference_adam
 from track_1_short.optim.anvil_bank import AnvilBank, scalar_row, scalars_size
-from track_1_short.optim.polar_express import GRAMS
 from track_1_short.optim.param_config import (
     ParamConfig,
     ParamTableError,
     build_param_configs,
     labelled_params,
 )
+from track_1_short.optim.polar_express import GRAMS
 from track_1_short.optim.row_shards import RowShards
 
 __all__ = [

@@ -139,7 +139,7 @@ def _sym_gram_kernel(
 
 
 def interpreted() -> bool:
-    """Whether these kernels run in Triton's interpreter (TRITON_INTERPRET=1 when this module was imported)."""
+    """Whether these kernels run in Triton's interpreter (TRITON_INTERPRET=1 when this module was loaded)."""
     return isinstance(_sym_gram_kernel, InterpretedFunction)
 
 
@@ -158,7 +158,9 @@ def check_device(device: torch.device | str, what: str) -> None:
 def _check_block(block: int, block_k: int) -> None:
     for name, value in (("block", block), ("block_k", block_k)):
         if value < 16 or value & (value - 1):
-            raise ValueError(f"sym_gram: {name} must be a power of two >= 16 (tl.dot's least tile), got {value}")
+            raise ValueError(
+                f"sym_gram: {name} must be a power of two >= 16 (tl.dot's least tile), got {value}"
+            )
 
 
 def _check_input(what: str, x: torch.Tensor) -> None:
@@ -248,8 +250,8 @@ def sym_poly_(
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
 ) -> torch.Tensor:
-    """out[b] = b_coef * a[b] + c_coef * a[b] a[b] for symmetric bf16 a [B, s, s], exactly symmetric, into bf16
-    ``out`` [B, s, s] (not sharing a's storage). Returns ``out``.
+    """out[b] = b_coef * a[b] + c_coef * a[b] a[b] for symmetric bf16 a [B, s, s], exactly symmetric, into
+    bf16 ``out`` [B, s, s] (not sharing a's storage). Returns ``out``.
 
     Symmetry of ``a`` is the caller's promise (checking it would cost a pass): what is computed is
     a a^T, and only a's upper triangle enters b_coef * a."""
@@ -259,7 +261,9 @@ def sym_poly_(
         raise ValueError(f"sym_poly_: a must be square [B, s, s], got {tuple(a.shape)}.")
     s = a.size(1)
     _check_output("sym_poly_", a, out, s)
-    _launch(a, out, s, s, a.stride(1), a.stride(2), b_coef, c_coef, True, block, block_k, num_warps, num_stages)
+    _launch(
+        a, out, s, s, a.stride(1), a.stride(2), b_coef, c_coef, True, block, block_k, num_warps, num_stages
+    )
     return out
 
 
