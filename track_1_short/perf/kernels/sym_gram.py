@@ -41,9 +41,9 @@ torch.bmm / the fp32 polynomial; tall and wide inputs, sizes that are not multip
 the zero matrix; the cascade with these kernels agrees with the bmm cascade within the bound its own tests
 accept.
 
-Provenance: upstream's track-1 record computes these products with symmetric Triton kernels (``XXT``,
-``XTX``, ``ba_plus_cAA``: the tiles on or above the diagonal, mirrored; described in the project's upstream
-optimizer notes, section 3.3); the tiling (a K loop of ``tl.dot`` on BLOCK x BLOCK_K by BLOCK_K x BLOCK tiles
+Provenance: upstream's track-1 record #360 computes these products with symmetric Triton kernels (``XXT``,
+``XTX``, ``ba_plus_cAA`` in modded-nanogpt's ``track_1_short/perf/kernels/polar_express.py``: the tiles on or
+above the diagonal, mirrored); the tiling (a K loop of ``tl.dot`` on BLOCK x BLOCK_K by BLOCK_K x BLOCK tiles
 into an fp32 accumulator) is that of Triton's matrix-multiplication tutorial. Written here from those
 descriptions.
 """
