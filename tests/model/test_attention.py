@@ -372,3 +372,15 @@ def test_paired_rotary_positions_are_stream_rows_and_differ_from_upstreams_only_
             assert ours == 2 * tok + (h >= heads // 2)
             upstream = 2 * tok + h % 2  # qkv_rope.py: factor_offset = (logical_head % 2) * qk_dim
             assert (ours != upstream) == (h in differing), (tok, h)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_document_firsts_are_each_runs_first_position(seed):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 40, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen).tolist()
+    ids = [k for k, n in enumerate(lengths) for _ in range(n)]
+    if seed % 2:
+        ids += [-1] * int(torch.randint(1, 20, (1,), generator=gen))  # pads at the end, one run of their own
+    got = attention._document_firsts(torch.tensor(ids, dtype=torch.int32))
+    expected = [next(j for j in range(t, -1, -1) if j == 0 or ids[j - 1] != ids[t]) for t in range(len(ids))]
+    assert got.dtype == torch.int64 and got.tolist() == expected

@@ -44,10 +44,14 @@ def visible(doc_q: Tensor, doc_k: Tensor, pos_q: Tensor, pos_k: Tensor, window: 
 def _document_firsts(doc_ids: Tensor) -> Tensor:
     """int64 [S]: the position of the first token of each token's document (a run of equal ids)."""
     s = doc_ids.numel()
-    pos = torch.arange(s, device=doc_ids.device)
     is_start = torch.ones(s, dtype=torch.bool, device=doc_ids.device)
     is_start[1:] = doc_ids[1:] != doc_ids[:-1]
-    return torch.cummax(torch.where(is_start, pos, torch.zeros_like(pos)), 0).values
+    # Each token's run number never decreases along the sequence, so the first position holding a token's
+    # run number is its run's start: a binary search per token. (A running maximum of the start positions,
+    # torch.cummax, gives the same positions, but its CUDA kernel scans a long row in one block: 0.14 ms a
+    # call at 32,768 tokens in the trainer's profile, two calls a micro batch.)
+    run = torch.cumsum(is_start, 0)
+    return torch.searchsorted(run, run)
 
 
 def kv_block_lists(doc_ids: Tensor, window: int | Tensor, block: int) -> tuple[Tensor, Tensor]:
