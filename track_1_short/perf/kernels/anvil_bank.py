@@ -13,10 +13,10 @@ gradient and both fp32 rails and writes the rails and the bf16 lookahead u, once
 reads the cascade's output V once. Kernel C (master step) reads V, the slow rail, the weight and the mantissa
 and writes weight and mantissa. The equaliser's per-lane arithmetic between B and C
 (:func:`~track_1_short.optim.anvil_bank.lane_scale_`: energy EMA, gains, the two Frobenius norms) stays torch
-ops on [chunk, lanes] tensors, a few hundredth of the bank's size. Unlike ``"compiled"`` there is no
-torch.compile: each kernel is JIT-compiled by Triton on its first launch for a new set of constexprs and
-cached. Unmeasured so far: ``perf/bench_optimizer.py --bank-update eager triton`` is the measurement to make
-on a GPU.
+ops on [chunk, lanes] tensors (one value per lane: 1/256 of the bank or less at the track-1 shapes). Unlike
+``"compiled"`` there is no torch.compile: each kernel is JIT-compiled by Triton on its first launch for a new
+set of constexprs and cached. Unmeasured so far: ``perf/bench_optimizer.py --bank-update eager triton`` is
+the measurement to make on a GPU.
 
 Numerics (tests/perf/test_anvil_bank_triton.py):
 - Kernel A rounds every operation as the eager path does. torch's lerp(a, b, w) is ``a + w (b - a)`` for
