@@ -144,7 +144,7 @@ def test_master_step_kernel_is_bitwise_eager_given_the_same_scale(kind):
     assert torch.equal(mantissa[-2:], m0[-2:])
 
 
-def step_pair(shape, device, steps, seed=0):
+def step_pair(shape, device, steps, seed=0, gram="bmm"):
     """Eager and Triton banks stepped side by side on the same gradients; before each step the Triton bank
     takes the eager one's master and lane energy (the rails are compared without that: they must stay
     bitwise). Returns per step: (each moving matrix's relative step error, the bound's reference), the lane
@@ -152,9 +152,16 @@ def step_pair(shape, device, steps, seed=0):
     gen = torch.Generator(device=device).manual_seed(seed)
     n = shape[0]
     weight = (torch.randn(shape, generator=gen, device=device) * 0.02).bfloat16()
-    eager = AnvilBank("b", torch.zeros_like(weight), weight.clone(), 0.9, 0.98, 1.05)
+    eager = AnvilBank("b", torch.zeros_like(weight), weight.clone(), 0.9, 0.98, 1.05, gram=gram)
     triton_ = AnvilBank(
-        "b", torch.zeros_like(weight), weight.clone(), 0.9, 0.98, 1.05, update_fn=kernels.triton_bank_update_
+        "b",
+        torch.zeros_like(weight),
+        weight.clone(),
+        0.9,
+        0.98,
+        1.05,
+        update_fn=kernels.triton_bank_update_,
+        gram=gram,
     )
     out = []
     for s in range(steps):
@@ -185,8 +192,8 @@ def step_pair(shape, device, steps, seed=0):
     return out
 
 
-@pytest.mark.parametrize("kind", list(SHAPES))
-def test_triton_bank_update_agrees_with_eager_over_several_steps(kind):
+@pytest.mark.parametrize("kind,gram", [("tall", "bmm"), ("wide", "bmm"), ("wide", "triton")])
+def test_triton_bank_update_agrees_with_eager_over_several_steps(kind, gram):
     # The step's difference comes only through the scale (the cascade sees bitwise the same u, kernel C rounds
     # as eager), so each matrix's step moves by at most the scale's bound relative to its update term; the
     # decay term is the same in both (0.05 * eff_lr * |p|, far below the update term), hence the factor 2.
@@ -195,7 +202,9 @@ def test_triton_bank_update_agrees_with_eager_over_several_steps(kind):
     shape = SHAPES[kind]
     length, lanes = lane_geometry(shape)
     bound = 2 * scale_bound(length, lanes) + 20 * U
-    for s, (errs, energy_err, energy_zero_same, rails, still) in enumerate(step_pair(shape, "cpu", STEPS)):
+    # gram: the cascade's Gram route (optim.cascade_gram), the same on both sides; the kernels work with both.
+    steps = step_pair(shape, "cpu", STEPS, gram=gram)
+    for s, (errs, energy_err, energy_zero_same, rails, still) in enumerate(steps):
         assert rails, (kind, s)
         assert max(errs) <= bound, (kind, s, errs, bound)
         assert energy_err <= scale_bound(length, lanes) and energy_zero_same, (kind, s, energy_err)

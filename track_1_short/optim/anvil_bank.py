@@ -162,7 +162,8 @@ class AnvilBank:
     [chunk, rows, cols]; ``scalars`` fp32 [4 + chunk]: momentum, eff_wd, fast_beta, fast_weight, eff_lr per
     matrix (its own tensor, or the given ``scalars``: a slice of a buffer shared by every bank).
     ``update_fn``: what :meth:`update` calls, :func:`bank_update_` (eager) unless given its compiled graph
-    (:func:`track_1_short.perf.bank_compile.compiled_bank_update`). ``gram``: what computes the cascade's
+    (:func:`track_1_short.perf.bank_compile.compiled_bank_update`) or the Triton kernels' version
+    (:func:`track_1_short.perf.kernels.anvil_bank.triton_bank_update_`). ``gram``: what computes the cascade's
     symmetric products, "bmm" or "triton" (``OptimConfig.cascade_gram``), passed with the other constants.
     """
 
