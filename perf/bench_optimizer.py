@@ -3,6 +3,7 @@
     python perf/bench_optimizer.py --out perf/results/optimizer.json                 # CUDA, track-1 banks
     python perf/bench_optimizer.py --device cpu --out /tmp/optimizer.json            # CPU: small banks
     python perf/bench_optimizer.py --bank-update eager compiled --out /tmp/optimizer.json  # both arms
+    python perf/bench_optimizer.py --bank-update eager triton --out /tmp/optimizer.json    # Triton kernels
     python perf/bench_optimizer.py --cascade-gram bmm triton --out /tmp/optimizer.json    # Gram kernels
 
 The banks are the record's (reshape views): qk [48, 256, 768] (wide), vo [16, 768, 768] (square), mlp
@@ -12,16 +13,19 @@ matrices. At world size 1 a step is, per bank, the local reduce_scatter/all_gath
 ``AnvilBank.update()``: twin rails, cascade, lane equaliser, master update.
 
 Rows, one per bank and one for the whole ``AnvilAndAdam.step(do_adam=False)``, for each ``--bank-update``
-arm (``optim.bank_update``: ``eager``, ``compiled``; default both on CUDA, eager on the CPU). Each arm builds
-the optimizer with that setting and times its own ``update()`` and ``step()``, so the compiled arm times the
-graphs the optimizer made (track_1_short/perf/bank_compile.py), not a copy of them:
+arm (``optim.bank_update``: ``eager``, ``compiled``, ``triton``; default eager and compiled on CUDA, eager
+on the CPU). Each arm builds the optimizer with that setting and times its own ``update()`` and ``step()``,
+so the compiled arm times the graphs the optimizer made (track_1_short/perf/bank_compile.py), not a copy of
+them, and the triton arm the kernels of track_1_short/perf/kernels/anvil_bank.py (the cascade stays torch
+there, so its ``cascade_ms`` is the eager cascade's):
 
 Arms are crossed with ``--cascade-gram`` (``optim.cascade_gram``: ``bmm``, ``triton``; default bmm): what
 computes the cascade's symmetric products (track_1_short/perf/kernels/sym_gram.py). Its arms time the same
 update with the Gram kernels in place of bmm/baddbmm; ``cascade_ms`` shows their effect on the cascade alone.
 
-- ``bank_update``: the arm; ``cascade_gram``: the arm's Gram route; ``compile_s``: the compiled arm's first
-  ``update()`` of the bank (Dynamo and Inductor), wall seconds, untimed otherwise; ``vs_eager``: the eager
+- ``bank_update``: the arm; ``cascade_gram``: the arm's Gram route; ``compile_s``: the compiled and triton
+  arms' first ``update()`` of the bank (Dynamo and Inductor, or Triton's JIT of the kernels), wall seconds,
+  untimed otherwise; ``vs_eager``: the eager
   arm's ``step_ms`` over this row's (same cascade_gram); ``vs_bmm``: the bmm arm's ``step_ms`` over this
   row's (same bank_update);
 - ``step_ms``: the bank's ``update()`` (the total row: the whole optimizer step), mean over ``--steps`` after
@@ -163,7 +167,7 @@ def measure(
         chunk, r, c = bank.grad.shape
         x = bank.grad.clone()
         extra = {}
-        if compiled:  # the first call makes the bank's graph: timed on its own, never in step_ms
+        if compiled or bank_update == "triton":  # the first call compiles: timed on its own, never in step_ms
             sync(device)
             t0 = time.perf_counter()
             bank.update()
@@ -314,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                 "rest_ms = step_ms - cascade_ms: rails, equaliser, master update (the total row adds the "
                 "step's gradient and gather copies)",
                 "bank_update: optim.bank_update of the arm (compiled: one torch.compile graph per bank, "
-                "compile_s its first call); vs_eager: the eager arm's step_ms over the row's",
+                "compile_s its first call; triton: the Triton kernels outside the cascade, compile_s their "
+                "first call); vs_eager: the eager arm's step_ms over the row's",
                 "cascade_gram: optim.cascade_gram of the arm (triton: the symmetric Gram kernels); "
                 "vs_bmm: the bmm arm's step_ms over the row's",
             ],

@@ -153,7 +153,7 @@ def test_embedding_splits_in_model_and_optimizer_at_the_planned_step_only(record
     assert bool(t.model.embed_is_split)
 
 
-@pytest.mark.parametrize("bank_update", ["eager", "compiled"])
+@pytest.mark.parametrize("bank_update", ["eager", "compiled", "triton"])
 def test_the_bank_update_switch_reaches_every_bank_of_the_trainers_optimizer(
     tmp_path, monkeypatch, bank_update
 ):
@@ -169,6 +169,10 @@ def test_the_bank_update_switch_reaches_every_bank_of_the_trainers_optimizer(
     assert t.cfg.optim.bank_update == bank_update
     fns = {label: bank.update_fn for label, bank in t.opt.banks.items()}
     assert fns and all((fn is bank_update_) == (bank_update == "eager") for fn in fns.values()), fns
+    if bank_update == "triton":  # the kernels run in Triton's interpreter here (tests/conftest.py)
+        from track_1_short.perf.kernels.anvil_bank import triton_bank_update_
+
+        assert all(fn is triton_bank_update_ for fn in fns.values()), fns
     with run_route(cfg):  # trainer.run's: native kernels when the banks compile (the mode would refuse them)
         t.train_step(0)
     torch._dynamo.reset()

@@ -88,3 +88,26 @@ def test_both_cascade_gram_arms_are_measured_in_one_run(tmp_path):
         assert abs(triton["vs_bmm"] - bmm["step_ms"] / triton["step_ms"]) < 1e-12
         assert triton["vs_eager"] == 1.0  # the eager arm of its own Gram route
         assert triton["cascade_ms"] > 0
+
+
+def test_the_triton_bank_update_arm_runs_on_the_cpu(tmp_path):
+    # optim.bank_update=triton: the arm's banks call the Triton kernels (the interpreter on the CPU), whose
+    # first update is timed apart as compile_s; only the structure is checked here.
+    import torch
+
+    from track_1_short.perf.kernels.anvil_bank import triton_bank_update_
+
+    bench = load_bench()
+    _, opt, _ = bench.build(bench.SMALL_BANKS, torch.device("cpu"), "triton")
+    assert all(b.update_fn is triton_bank_update_ for b in opt.banks.values())
+    out = tmp_path / "optimizer.json"
+    args = ["--device", "cpu", "--steps", "1", "--warmup", "0", "--matmul-size", "128"]
+    assert bench.main([*args, "--bank-update", "eager", "triton", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    check_bench_payload(payload, str(out))
+    assert payload["bank_update"] == ["eager", "triton"]
+    rows = payload["rows"]
+    per_arm = len(bench.SMALL_BANKS) + 1
+    assert [r["bank_update"] for r in rows] == ["eager"] * per_arm + ["triton"] * per_arm
+    assert all(r["compile_s"] > 0 for r in rows[per_arm:-1])
+    assert all(r["step_ms"] > 0 and "vs_eager" in r for r in rows[per_arm:])

@@ -74,7 +74,7 @@ STATE_FORMAT = "anvil_adam/1"
 
 REPLICATED_IMPLS = ("fused", "device", "reference")
 SCALAR_UPLOADS = ("batched", "per_bank")
-BANK_UPDATES = ("eager", "compiled")
+BANK_UPDATES = ("eager", "compiled", "triton")
 CASCADE_GRAMS = GRAMS
 
 
@@ -125,7 +125,10 @@ class OptimConfig:
     step and replayed: track_1_short/perf/bank_compile.py). The same operations in the same order; compiled
     through Inductor they agree within fp32 rounding on the CPU (tests/optim/test_anvil_bank_compiled.py).
     On an H200 compiled takes the track-1 banks' step from 8.78 to 4.76 ms (perf/RESULTS.md); it stays
-    opt-in until its CUDA agreement tests pass (two failed on their first H200 run)."""
+    opt-in until its CUDA agreement tests pass (two failed on their first H200 run). "triton": the phases
+    outside the cascade as three Triton kernels (track_1_short/perf/kernels/anvil_bank.py; no torch.compile),
+    the rails bitwise eager and the step within fp32 summation bounds (tests/perf/test_anvil_bank_triton.py);
+    it needs CUDA, or Triton's interpreter on the CPU. Unmeasured so far."""
     cascade_gram: str = "bmm"
     """What computes the two symmetric products of each cascade round (the Gram A and b A + c A A): "bmm"
     (torch.bmm/baddbmm, the reference) or "triton" (track_1_short/perf/kernels/sym_gram.py: only the output
@@ -264,6 +267,11 @@ class AnvilAndAdam:
             from track_1_short.perf.bank_compile import compiled_bank_update
 
             update_fn = compiled_bank_update()  # one callable, one graph per bank on its first step
+        if bank_shards and cfg.bank_update == "triton":
+            from track_1_short.perf.kernels.anvil_bank import check_device, triton_bank_update_
+
+            check_device(self.device, "optim.bank_update=triton")  # here, not at the first step
+            update_fn = triton_bank_update_
         if bank_shards and cfg.cascade_gram == "triton":
             from track_1_short.perf.kernels.sym_gram import check_device
 

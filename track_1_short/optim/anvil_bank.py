@@ -90,13 +90,19 @@ def equalise_lanes_(v: torch.Tensor, lane_energy: torch.Tensor, beta2: float, re
     """Divide each lane of fp32 ``v`` [B, rows, cols] by the RMS of its history, keeping each matrix's
     Frobenius norm; ``lane_energy`` ([B, rows, 1] or [B, 1, cols], the reduced dim ``red_dim``) is updated in
     place."""
-    length = v.size(red_dim)
     power = v.square().mean(dim=red_dim, keepdim=True)  # mean square per lane
+    return v.mul_(lane_scale_(power, lane_energy, beta2, v.size(red_dim)))
+
+
+def lane_scale_(power: torch.Tensor, lane_energy: torch.Tensor, beta2: float, length: int) -> torch.Tensor:
+    """The equaliser's factor per lane (shaped like ``lane_energy``) from this step's mean square per lane
+    ``power`` over ``length`` elements; ``lane_energy`` is updated in place. Shared by the eager update and
+    the Triton one (:mod:`track_1_short.perf.kernels.anvil_bank`), which computes ``power`` in a kernel."""
     pre = power.sum(dim=(-2, -1), keepdim=True).mul(length).sqrt()  # ||v||_F per matrix, [B, 1, 1]
     lane_energy.lerp_(power, 1.0 - beta2)
     gain = lane_energy.clamp_min(EQUALISER_EPS).rsqrt()
     post = (power * gain.square()).sum(dim=(-2, -1), keepdim=True).mul(length).sqrt()
-    return v.mul_(gain * (pre / post.clamp_min(EQUALISER_EPS)))
+    return gain * (pre / post.clamp_min(EQUALISER_EPS))
 
 
 def sign_gated_step_(
@@ -156,7 +162,8 @@ class AnvilBank:
     [chunk, rows, cols]; ``scalars`` fp32 [4 + chunk]: momentum, eff_wd, fast_beta, fast_weight, eff_lr per
     matrix (its own tensor, or the given ``scalars``: a slice of a buffer shared by every bank).
     ``update_fn``: what :meth:`update` calls, :func:`bank_update_` (eager) unless given its compiled graph
-    (:func:`track_1_short.perf.bank_compile.compiled_bank_update`). ``gram``: what computes the cascade's
+    (:func:`track_1_short.perf.bank_compile.compiled_bank_update`) or the Triton kernels' version
+    (:func:`track_1_short.perf.kernels.anvil_bank.triton_bank_update_`). ``gram``: what computes the cascade's
     symmetric products, "bmm" or "triton" (``OptimConfig.cascade_gram``), passed with the other constants.
     """
 
