@@ -52,11 +52,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from track_1_short.optim.anvil_bank import _N_SCALARS, lane_scale_
 from track_1_short.optim.polar_express import orthogonalize
 from track_1_short.perf.kernels.bf16_bits import round_to_bf16_bits, widen_bf16
+from track_1_short.perf.kernels.interpreter import check_device as _check_device
+from track_1_short.perf.kernels.interpreter import runs_interpreted
 
 ELEMENTWISE_BLOCK = 1024  # elements per program of kernels A and C
 ELEMENTWISE_WARPS = 4
@@ -171,19 +172,13 @@ def _master_step_kernel(
 
 def interpreted() -> bool:
     """Whether these kernels run in Triton's interpreter (TRITON_INTERPRET=1 when this module was loaded)."""
-    return isinstance(_rails_kernel, InterpretedFunction)
+    return runs_interpreted(_rails_kernel)
 
 
 def check_device(device: torch.device | str, what: str = "optim.bank_update=triton") -> None:
-    """Raise a RuntimeError naming ``what`` unless these kernels can run on ``device``: a CUDA device, or any
-    device under Triton's interpreter."""
-    device = torch.device(device)
-    if device.type != "cuda" and not interpreted():
-        raise RuntimeError(
-            f"{what}: the bank-update kernels run on CUDA tensors, or elsewhere only under Triton's "
-            f"interpreter (TRITON_INTERPRET=1 set before track_1_short.perf.kernels.anvil_bank is imported); "
-            f"got a {device.type} tensor. Use optim.bank_update=eager (or compiled) on this device."
-        )
+    """Raise a RuntimeError naming ``what`` unless these kernels can run on ``device`` (CUDA, or any device
+    under Triton's interpreter)."""
+    _check_device(device, what, interpreted(), "anvil_bank", "optim.bank_update=eager (or compiled)")
 
 
 def _check_operands(grad, weight, velocity, lane_energy, mantissa, scalars, red_dim) -> None:

@@ -53,9 +53,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from track_1_short.perf.kernels.bf16_bits import round_to_bf16_bits, widen_bf16
+from track_1_short.perf.kernels.interpreter import check_device as _check_device
+from track_1_short.perf.kernels.interpreter import runs_interpreted
 
 DEFAULT_BLOCK = 128  # output tile side: 128 x 128 fp32 accumulator over 8 warps (Hopper)
 DEFAULT_BLOCK_K = 64
@@ -140,19 +141,13 @@ def _sym_gram_kernel(
 
 def interpreted() -> bool:
     """Whether these kernels run in Triton's interpreter (TRITON_INTERPRET=1 when this module was loaded)."""
-    return isinstance(_sym_gram_kernel, InterpretedFunction)
+    return runs_interpreted(_sym_gram_kernel)
 
 
 def check_device(device: torch.device | str, what: str) -> None:
-    """Raise a RuntimeError naming ``what`` unless these kernels can run on ``device``: a CUDA device, or any
-    device under Triton's interpreter."""
-    device = torch.device(device)
-    if device.type != "cuda" and not interpreted():
-        raise RuntimeError(
-            f"{what}: the symmetric Gram kernels run on CUDA tensors, or elsewhere only under Triton's "
-            f"interpreter (TRITON_INTERPRET=1 set before track_1_short.perf.kernels.sym_gram is imported); "
-            f"got a {device.type} tensor. Use optim.cascade_gram=bmm on this device."
-        )
+    """Raise a RuntimeError naming ``what`` unless these kernels can run on ``device`` (CUDA, or any device
+    under Triton's interpreter)."""
+    _check_device(device, what, interpreted(), "sym_gram", "optim.cascade_gram=bmm")
 
 
 def _check_block(block: int, block_k: int) -> None:
