@@ -15,14 +15,16 @@ def runs_interpreted(kernel) -> bool:
     return isinstance(kernel, InterpretedFunction)
 
 
-def check_device(device: torch.device | str, what: str, interpreted: bool, kernels: str, instead: str) -> None:
-    """Raise a RuntimeError naming ``what`` unless a kernel module can run on ``device``: a CUDA device, or any
-    device when it runs ``interpreted``. ``kernels`` names the module in the message, ``instead`` is the
+def check_device(
+    device: torch.device | str, what: str, interpreted: bool, kernels: str, instead: str
+) -> None:
+    """Raise a RuntimeError naming ``what`` unless a kernel module can run on ``device``: a CUDA device, or
+    any device when it runs ``interpreted``. ``kernels`` names the module in the message, ``instead`` is the
     setting to use on this device."""
     device = torch.device(device)
     if device.type != "cuda" and not interpreted:
         raise RuntimeError(
-            f"{what}: the {kernels} kernels run on CUDA tensors, or elsewhere only under Triton's interpreter "
-            f"(TRITON_INTERPRET=1 set before track_1_short.perf.kernels.{kernels} is imported); got a "
-            f"{device.type} tensor. Use {instead} on this device."
+            f"{what}: the {kernels} kernels run on CUDA tensors, or elsewhere only under Triton's "
+            f"interpreter (TRITON_INTERPRET=1 set before track_1_short.perf.kernels.{kernels} is "
+            f"imported); got a {device.type} tensor. Use {instead} on this device."
         )
