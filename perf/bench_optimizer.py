@@ -48,6 +48,7 @@ GEMM efficiency at these sizes.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -278,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     cuda = device.type == "cuda"
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to torch; use --device cpu.")
+    if not cuda:
+        # The triton arms' kernels run on the CPU only in Triton's interpreter, chosen when a kernel module is
+        # imported (the first triton arm imports them).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     shapes = args.shapes or ("track1" if cuda else "small")
     steps = args.steps if args.steps is not None else (20 if cuda else 3)
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)

@@ -7,7 +7,8 @@
 #                         extra overrides, and the name of the run and its JSON, for a before/after pair)
 #         tests           python3 -m pytest -m gpu -q                      (log: pytest_gpu.log)
 #         replicated_adam perf/bench_replicated_adam.py -> perf/results/replicated_adam.json
-#         optimizer       perf/bench_optimizer.py       -> perf/results/optimizer.json
+#         optimizer       perf/bench_optimizer.py --bank-update eager compiled triton --cascade-gram bmm triton
+#                                                       -> perf/results/optimizer.json
 #         train_step      perf/bench_train_step.py      -> perf/results/train_step.json
 #         loss            perf/bench_loss.py            -> perf/results/loss.json
 #         scaling         perf/scaling.py (the preset through torchrun on 1 and all GPUs; skipped on one GPU)
@@ -109,7 +110,10 @@ bench() {  # name: perf/bench_<name>.py --out perf/results/<name>.json
   local script="perf/bench_$1.py" json="perf/results/$1.json"
   [[ -f $script ]] || { echo "$script does not exist" >&2; return 1; }
   # bench_train_step.py times Trainer.train_step under experiment=record_1gpu (input checks off, as in a record).
-  python3 "$script" --out "$json" 2>&1 | tee -a "$log" || return
+  local args=()
+  # Every bank-update route against every Gram route: the arms the optimizer's defaults are chosen from.
+  [[ $1 != optimizer ]] || args=(--bank-update eager compiled triton --cascade-gram bmm triton)
+  python3 "$script" "${args[@]}" --out "$json" 2>&1 | tee -a "$log" || return
   hand_back "$json"
 }
 
