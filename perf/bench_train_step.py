@@ -65,7 +65,8 @@ def matmul_tflops(
     """bf16 rate of a size^3 torch.matmul on random data, median over ``reps`` timed calls, in TFLOP/s.
 
     Warmup: at least ``warmup`` calls and, on CUDA, at least ``warmup_s`` seconds of them (an idle GPU takes
-    a while to reach its clocks; a short burst measured it up to 4.5% low)."""
+    a while to reach its clocks; after a 10-call warmup one run read 4.5% below the run before it on the
+    same H100)."""
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     start = time.perf_counter()

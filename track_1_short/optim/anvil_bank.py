@@ -204,7 +204,6 @@ class AnvilBank:
         self.scalars = scalars
         self.momentum, self.eff_wd, self.fast_beta, self.fast_weight = self.scalars[:_N_SCALARS].unbind()
         self.eff_lr = self.scalars[_N_SCALARS:].view(chunk, 1, 1)
-        self.gram = gram
         self.constants = dict(
             beta2=self.beta2, slow_beta=self.slow_beta, margin=self.margin, red_dim=self.red_dim, gram=gram
         )

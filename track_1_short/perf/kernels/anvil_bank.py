@@ -49,6 +49,7 @@ the kernels here are written for this project.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -238,7 +239,7 @@ def rails_(
     lookahead u (eager: ``twin_rails_(...).bfloat16()``)."""
     n = grad.numel()
     # torch converts a Python float lerp weight to fp32 by rounding the fp64 value: the same here.
-    slow_weight = float(torch.tensor(1.0 - slow_beta, dtype=torch.float32))
+    slow_weight = float(np.float32(1.0 - slow_beta))  # no tensor built on every step
     u = torch.empty_like(grad)
     _rails_kernel[(triton.cdiv(n, ELEMENTWISE_BLOCK),)](
         grad.view(torch.int16),
