@@ -149,6 +149,41 @@ def test_kernel_rejects_non_contiguous_rows():
         softcapped_ce_rows_(u, tg, tg.float(), torch.ones(16), 0, CAP, SHIFT, TEMP, True)
 
 
+def _kernel_case(rows, vocab, k, seed):
+    """A bf16 logit block with targets, coefficients and row weights for softcapped_ce_rows_ directly."""
+    g = torch.Generator().manual_seed(seed)
+    u = (torch.randn(rows, vocab, generator=g) * 3).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (k, rows), generator=g)
+    targets[:, 1] = targets[0, 1]  # repeated targets within a row
+    coef = torch.rand(k, rows, generator=g)
+    return u, targets, coef, torch.rand(rows, generator=g) + 0.5
+
+
+def _kernel_run(u, targets, coef, row_weight, **launch):
+    u = u.clone()
+    loss = softcapped_ce_rows_(u, targets, coef, row_weight, 0, CAP, SHIFT, TEMP, True, **launch)
+    return loss, u
+
+
+@pytest.mark.parametrize("programs", [1, 3, 16, 40])
+def test_a_persistent_grid_gives_the_same_bits_as_one_program_per_row(programs):
+    # Each row is still one program's two passes in the same order, whichever program takes it: loss and
+    # gradient bit for bit (40 programs for 16 rows: the grid is clamped to the rows).
+    u, targets, coef, row_weight = _kernel_case(16, 515, 3, seed=6)
+    loss_1, g_1 = _kernel_run(u, targets, coef, row_weight, block=128)
+    loss_p, g_p = _kernel_run(u, targets, coef, row_weight, block=128, programs=programs)
+    assert torch.equal(loss_p, loss_1) and torch.equal(g_p, g_1)
+    assert not torch.equal(g_1, u)  # the gradient was written
+
+
+def test_kernel_rejects_a_grid_of_no_programs_before_touching_the_logits():
+    u, targets, coef, row_weight = _kernel_case(4, 64, 1, seed=7)
+    before = u.clone()
+    with pytest.raises(ValueError, match="programs must be at least 1"):
+        softcapped_ce_rows_(u, targets, coef, row_weight, 0, CAP, SHIFT, TEMP, True, programs=0)
+    assert torch.equal(u, before)
+
+
 _COMPILE_FOR_H200 = textwrap.dedent(
     """
     import triton
@@ -158,7 +193,7 @@ _COMPILE_FOR_H200 = textwrap.dedent(
 
     ptr, scalars = {"tgt_ptr": "*i64", "coef_ptr": "*fp32", "row_weight_ptr": "*fp32", "loss_ptr": "*fp32"}, {
         "u_stride": "i32", "tgt_stride": "i32", "lo": "i32", "V": "i32", "cap": "fp32", "shift": "fp32",
-        "inv_t": "fp32", "grad_scale": "fp32"}
+        "inv_t": "fp32", "grad_scale": "fp32", "rows": "i32"}
     for is_bf16 in (True, False):
         for write_grad in (True, False):
             consts = {"K": 3, "KP": 4, "IS_BF16": is_bf16, "WRITE_GRAD": write_grad, "BLOCK": BLOCK_GPU}
@@ -201,3 +236,13 @@ def test_gpu_fused_loss_at_the_record_vocabulary_matches_the_reference(mtp):
     diff = (g_f.float() - g_r.float()).abs()
     assert torch.all(diff <= 2 * _bf16_ulp(g_r)), diff.max()
     assert (diff > 0).float().mean() < 0.01
+
+
+@gpu
+def test_gpu_persistent_grid_gives_the_same_bits_as_one_program_per_row():
+    # The record's row length and a block of 8,192 rows: the launch shapes the trainer chooses between.
+    u, targets, coef, row_weight = (t.cuda() for t in _kernel_case(8192, 50304, 3, seed=8))
+    loss_1, g_1 = _kernel_run(u, targets, coef, row_weight)
+    programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    loss_p, g_p = _kernel_run(u, targets, coef, row_weight, programs=programs)
+    assert torch.equal(loss_p, loss_1) and torch.equal(g_p, g_1)

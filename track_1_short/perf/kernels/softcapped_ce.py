@@ -71,59 +71,63 @@ def _softcapped_ce_rows_kernel(
     shift,
     inv_t,  # 1 / temperature (fp32)
     grad_scale,  # cap / temperature
+    rows,
     K: tl.constexpr,
     KP: tl.constexpr,  # K rounded up to a power of two (Triton's vector sizes)
     IS_BF16: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    row_ptr = u_ptr + row.to(tl.int64) * u_stride
-    col = lo + row
-    cols = tl.arange(0, BLOCK)
+    # Programs stride over the rows: one per row (grid = rows), or a persistent grid that keeps fewer rows in
+    # flight, so that pass 2 re-reads a row while pass 1 left it in L2.
+    for row in range(tl.program_id(0), rows, tl.num_programs(0)):
+        row_ptr = u_ptr + tl.cast(row, tl.int64) * u_stride  # rows x V passes 2^31 at the record's chunk
+        col = lo + row
+        cols = tl.arange(0, BLOCK)
 
-    # The K targets of this row as one small vector, read before pass 2 overwrites any of the row with its
-    # gradient (a target's sigmoid is needed after its column may already hold g).
-    ks = tl.arange(0, KP)
-    kmask = ks < K
-    t_vec = tl.load(tgt_ptr + ks * tgt_stride + col, mask=kmask, other=0)
-    c_vec = tl.load(coef_ptr + ks * tgt_stride + col, mask=kmask, other=0.0)
-    s_t = _load_sigmoid(row_ptr, t_vec, kmask, shift, inv_t, IS_BF16)
+        # The K targets of this row as one small vector, read before pass 2 overwrites any of the row with its
+        # gradient (a target's sigmoid is needed after its column may already hold g).
+        ks = tl.arange(0, KP)
+        kmask = ks < K
+        t_vec = tl.load(tgt_ptr + ks * tgt_stride + col, mask=kmask, other=0)
+        c_vec = tl.load(coef_ptr + ks * tgt_stride + col, mask=kmask, other=0.0)
+        s_t = _load_sigmoid(row_ptr, t_vec, kmask, shift, inv_t, IS_BF16)
 
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, V, BLOCK):
-        idx = start + cols
-        mask = idx < V
-        s = _load_sigmoid(row_ptr, idx, mask, shift, inv_t, IS_BF16)
-        acc += tl.where(mask, tl.exp(cap * s - cap), 0.0)
-    sum_e = tl.sum(acc, axis=0)
-    lse = cap + tl.log(sum_e)
-    tl.store(loss_ptr + row, tl.sum(tl.where(kmask, c_vec * (lse - cap * s_t), 0.0), axis=0))
-
-    if WRITE_GRAD:
-        scale = tl.math.div_rn(tl.load(row_weight_ptr + col) * grad_scale, sum_e)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, V, BLOCK):
             idx = start + cols
             mask = idx < V
             s = _load_sigmoid(row_ptr, idx, mask, shift, inv_t, IS_BF16)
-            q = tl.exp(cap * s - cap) * s * scale
-            g = q - q * s
+            acc += tl.where(mask, tl.exp(cap * s - cap), 0.0)
+        sum_e = tl.sum(acc, axis=0)
+        lse = cap + tl.log(sum_e)
+        tl.store(loss_ptr + row, tl.sum(tl.where(kmask, c_vec * (lse - cap * s_t), 0.0), axis=0))
+
+        if WRITE_GRAD:
+            scale = tl.math.div_rn(tl.load(row_weight_ptr + col) * grad_scale, sum_e)
+            for start in range(0, V, BLOCK):
+                idx = start + cols
+                mask = idx < V
+                s = _load_sigmoid(row_ptr, idx, mask, shift, inv_t, IS_BF16)
+                q = tl.exp(cap * s - cap) * s * scale
+                g = q - q * s
+                if IS_BF16:
+                    tl.store(row_ptr + idx, round_to_bf16_bits(g), mask=mask)
+                else:
+                    tl.store(row_ptr + idx, g, mask=mask)
+            # The K target columns again, now with their one-hot terms, once every store above has landed
+            # (the barrier orders this block's global stores). Repeated targets add up, as the reference's
+            # scatter_add does; a target past the batch's end (coefficient 0) rewrites its column with the
+            # value it has.
+            tl.debug_barrier()
+            d_vec = tl.where(kmask, -grad_scale * c_vec * s_t, 0.0)
+            d_sum = tl.sum(tl.where(t_vec[:, None] == t_vec[None, :], d_vec[None, :], 0.0), axis=1)
+            q_t = tl.exp(cap * s_t - cap) * s_t * scale + d_sum
+            g_t = q_t - q_t * s_t
             if IS_BF16:
-                tl.store(row_ptr + idx, round_to_bf16_bits(g), mask=mask)
+                tl.store(row_ptr + t_vec, round_to_bf16_bits(g_t), mask=kmask)
             else:
-                tl.store(row_ptr + idx, g, mask=mask)
-        # The K target columns again, now with their one-hot terms, once every store above has landed (the
-        # barrier orders this block's global stores). Repeated targets add up, as the reference's scatter_add
-        # does; a target past the batch's end (coefficient 0) rewrites its column with the value it has.
-        tl.debug_barrier()
-        d_vec = tl.where(kmask, -grad_scale * c_vec * s_t, 0.0)
-        d_sum = tl.sum(tl.where(t_vec[:, None] == t_vec[None, :], d_vec[None, :], 0.0), axis=1)
-        q_t = tl.exp(cap * s_t - cap) * s_t * scale + d_sum
-        g_t = q_t - q_t * s_t
-        if IS_BF16:
-            tl.store(row_ptr + t_vec, round_to_bf16_bits(g_t), mask=kmask)
-        else:
-            tl.store(row_ptr + t_vec, g_t, mask=kmask)
+                tl.store(row_ptr + t_vec, g_t, mask=kmask)
 
 
 def softcapped_ce_rows_(
@@ -136,6 +140,10 @@ def softcapped_ce_rows_(
     shift: float,
     temperature: float,
     write_grad: bool,
+    *,
+    programs: int | None = None,
+    block: int | None = None,
+    num_warps: int = _NUM_WARPS,
 ) -> torch.Tensor:
     """Per-row losses (fp32 [rows]) of the logit block ``u`` [rows, V], the rows lo .. lo + rows of the batch.
 
@@ -143,6 +151,9 @@ def softcapped_ce_rows_(
     formed in fp32 here); with ``write_grad`` it is overwritten by d(loss)/du in its own dtype. targets int64
     [K, T] (clamped to the batch), coef fp32 [K, T] (the weight of target k of row t, 0 where t + k >= T),
     row_weight fp32 [T] (the softmax normaliser weight of every row). All on u's device.
+
+    programs: how many programs stride over the rows (None: one per row); block, num_warps: the columns of a
+    loop iteration (None: BLOCK_GPU on CUDA, the whole row under the interpreter) and the warps of a program.
     """
     rows, vocab = u.shape
     k = targets.size(0)
@@ -153,7 +164,12 @@ def softcapped_ce_rows_(
     loss = torch.empty(rows, dtype=torch.float32, device=u.device)
     is_bf16 = u.dtype == torch.bfloat16
     on_gpu = u.device.type == "cuda"
-    _softcapped_ce_rows_kernel[(rows,)](
+    if programs is not None and programs < 1:
+        raise ValueError(f"softcapped_ce_rows_: programs must be at least 1 or None, got {programs}")
+    if block is None:
+        block = BLOCK_GPU if on_gpu else min(BLOCK_INTERPRETER, triton.next_power_of_2(vocab))
+    grid = (rows if programs is None else max(1, min(programs, rows)),)
+    _softcapped_ce_rows_kernel[grid](
         u.view(torch.int16) if is_bf16 else u,
         u.stride(0),
         targets,
@@ -167,11 +183,12 @@ def softcapped_ce_rows_(
         float(shift),
         1.0 / float(temperature),
         float(cap) / float(temperature),
+        rows,
         K=k,
         KP=max(2, triton.next_power_of_2(k)),
         IS_BF16=is_bf16,
         WRITE_GRAD=write_grad,
-        BLOCK=BLOCK_GPU if on_gpu else min(BLOCK_INTERPRETER, triton.next_power_of_2(vocab)),
-        num_warps=_NUM_WARPS,
+        BLOCK=block,
+        num_warps=num_warps,
     )
     return loss
