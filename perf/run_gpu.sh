@@ -10,7 +10,9 @@
 #         optimizer       perf/bench_optimizer.py --bank-update eager compiled triton --cascade-gram bmm triton
 #                                                       -> perf/results/optimizer.json
 #         train_step      perf/bench_train_step.py      -> perf/results/train_step.json
-#         loss            perf/bench_loss.py            -> perf/results/loss.json
+#                         (TRAIN_STEP_ARGS="optim.bank_update=triton" TRAIN_STEP_NAME=train_step_triton_bank:
+#                         Hydra overrides, and the JSON's name, for a before/after pair)
+#         loss            perf/bench_loss.py --programs-per-sm 0 1 2 4  -> perf/results/loss.json
 #         scaling         perf/scaling.py (the preset through torchrun on 1 and all GPUs; skipped on one GPU)
 #                                                       -> perf/results/scaling.json
 #         results         perf/results.py               -> perf/RESULTS.md (from every JSON in perf/results/)
@@ -108,11 +110,17 @@ gpu_tests() {
 
 bench() {  # name: perf/bench_<name>.py --out perf/results/<name>.json
   local script="perf/bench_$1.py" json="perf/results/$1.json"
+  [[ $1 != train_step || -z ${TRAIN_STEP_NAME:-} ]] || json="perf/results/$TRAIN_STEP_NAME.json"
   [[ -f $script ]] || { echo "$script does not exist" >&2; return 1; }
   # bench_train_step.py times Trainer.train_step under experiment=record_1gpu (input checks off, as in a record).
   local args=()
   # Every bank-update route against every Gram route: the arms the optimizer's defaults are chosen from.
   [[ $1 != optimizer ]] || args=(--bank-update eager compiled triton --cascade-gram bmm triton)
+  # The fused loss kernel's grids (model.loss_programs_per_sm): the default is chosen from these rows.
+  [[ $1 != loss ]] || args=(--programs-per-sm 0 1 2 4)
+  # TRAIN_STEP_ARGS is a list of Hydra overrides: split on spaces on purpose.
+  # shellcheck disable=SC2206
+  [[ $1 != train_step || -z ${TRAIN_STEP_ARGS:-} ]] || args=(${TRAIN_STEP_ARGS})
   python3 "$script" "${args[@]}" --out "$json" 2>&1 | tee -a "$log" || return
   hand_back "$json"
 }

@@ -184,6 +184,38 @@ def test_kernel_rejects_a_grid_of_no_programs_before_touching_the_logits():
     assert torch.equal(u, before)
 
 
+def test_loss_programs_per_sm_reaches_the_kernel_and_keeps_the_bits(monkeypatch):
+    import track_1_short.perf.kernels.softcapped_ce as kernel_module
+
+    grids = []
+    launch = kernel_module.softcapped_ce_rows_
+
+    def spy(*args, **kwargs):
+        grids.append(kwargs.get("programs"))
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_module, "softcapped_ce_rows_", spy)
+    x, w, targets, mtp_t = _case(70, 16, 300, [1.0, 0.5], torch.bfloat16, "cpu", seed=9)
+
+    def grads(programs_per_sm):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = softcapped_cross_entropy_sum(
+            xx, ww, targets, mtp_t, CAP, SHIFT, TEMP, 32, "fused", programs_per_sm
+        )
+        loss.backward()
+        return loss.detach(), xx.grad, ww.grad
+
+    per_row, strided = grads(0), grads(3)
+    # 70 rows in chunks of 32: three launches each; a CPU has one "multiprocessor", so 3 programs
+    assert grids == [None] * 3 + [3] * 3
+    assert all(torch.equal(a, b) for a, b in zip(strided, per_row))
+
+
+def test_negative_loss_programs_per_sm_is_one_clear_error():
+    with pytest.raises(ModelConfigError, match=r"loss_programs_per_sm=-1 must be >= 0"):
+        ModelConfig(loss_programs_per_sm=-1)
+
+
 _COMPILE_FOR_H200 = textwrap.dedent(
     """
     import triton

@@ -273,6 +273,11 @@ class ModelConfig:
     loss_impl: str = "auto"
     """The training loss between its GEMMs: "auto" (the fused Triton kernel on CUDA, the reference path
     elsewhere), "reference" (eager torch ops) or "fused" (on a CPU only under TRITON_INTERPRET=1)."""
+    loss_programs_per_sm: int = 0
+    """The fused loss kernel's grid: 0 launches one program per row; k > 0 launches k programs per
+    multiprocessor (one on a CPU) that stride over the rows, so fewer rows are in flight and the kernel's
+    second pass may find its row still in L2. The same bits either way (tests/perf/test_softcapped_ce.py);
+    perf/bench_loss.py --programs-per-sm times the choices."""
 
     # -- numerics and checks --
     compute_dtype: str = "bfloat16"
@@ -328,6 +333,11 @@ class ModelConfig:
             fail(f"attention_impl={self.attention_impl!r} must be one of {list(ATTENTION_IMPLS)}.")
         if self.loss_impl not in LOSS_IMPLS:
             fail(f"loss_impl={self.loss_impl!r} must be one of {list(LOSS_IMPLS)}.")
+        if self.loss_programs_per_sm < 0:
+            fail(
+                f"loss_programs_per_sm={self.loss_programs_per_sm} must be >= 0 (0: one program per row; "
+                "k: k programs per multiprocessor)."
+            )
         n = self.num_layers
         lists = (
             "attn_layers",
@@ -949,7 +959,7 @@ class GPT(nn.Module):
         args = (cfg.logit_cap, cfg.logit_shift, cfg.logit_temperature, cfg.loss_chunk_rows)
         if evaluation:
             return loss(hidden, self.lm_head, targets, mtp, *args)
-        return loss(hidden, self.lm_head, targets, mtp, *args, cfg.loss_impl)
+        return loss(hidden, self.lm_head, targets, mtp, *args, cfg.loss_impl, cfg.loss_programs_per_sm)
 
     @torch.no_grad()
     def val_loss_sum(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, windows) -> Tensor:

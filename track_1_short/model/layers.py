@@ -184,18 +184,20 @@ def _reference_block(x, weight, tgt, valid, w_k, row_weight, cap, shift, tempera
     return block
 
 
-def _fused_block(tgt, valid, w_k, row_weight, cap, shift, temperature, need_grad):
+def _fused_block(tgt, valid, w_k, row_weight, cap, shift, temperature, need_grad, programs_per_sm=0):
     """The per-chunk loss and logit gradient as one Triton kernel over the GEMM's output, the gradient
-    written over it (track_1_short/perf/kernels/softcapped_ce.py): the same contract as _reference_block."""
-    from track_1_short.perf.kernels.softcapped_ce import softcapped_ce_rows_
+    written over it (track_1_short/perf/kernels/softcapped_ce.py): the same contract as _reference_block.
+    programs_per_sm: model.loss_programs_per_sm (0: one program per row)."""
+    from track_1_short.perf.kernels.softcapped_ce import multiprocessors, softcapped_ce_rows_
 
+    programs = programs_per_sm * multiprocessors(tgt.device) if programs_per_sm else None
     targets_kt = tgt.contiguous()
     coef = (valid.float() * w_k[:, None]).contiguous()  # [K, T]: target k's weight, 0 past the batch's end
     row_weight = row_weight.float().contiguous()
 
     def block(logits: Tensor, lo: int, hi: int) -> tuple[Tensor, Tensor | None]:
         loss_rows = softcapped_ce_rows_(
-            logits, targets_kt, coef, row_weight, lo, cap, shift, temperature, need_grad
+            logits, targets_kt, coef, row_weight, lo, cap, shift, temperature, need_grad, programs=programs
         )
         return loss_rows.sum(), (logits if need_grad else None)
 
@@ -214,6 +216,7 @@ def _softcapped_ce_sum(
     chunk_rows: int,
     need_grad: bool,
     impl: str,
+    programs_per_sm: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss fp32 0-D, dloss/dx like x, dloss/dweight like weight); the gradients are empty without need_grad.
 
@@ -237,7 +240,7 @@ def _softcapped_ce_sum(
     ).clamp(max=num_tokens - 1)
     tgt = targets[idx]
     if impl == "fused":
-        block = _fused_block(tgt, valid, w_k, row_weight, cap, shift, temperature, need_grad)
+        block = _fused_block(tgt, valid, w_k, row_weight, cap, shift, temperature, need_grad, programs_per_sm)
     else:
         block = _reference_block(
             x, weight, tgt, valid, w_k, row_weight, cap, shift, temperature, chunk_rows, need_grad
@@ -275,7 +278,7 @@ def _softcapped_ce_sum(
 
 @_softcapped_ce_sum.register_fake
 def _softcapped_ce_sum_fake(
-    x, weight, targets, mtp_weights, cap, shift, temperature, chunk_rows, need_grad, impl
+    x, weight, targets, mtp_weights, cap, shift, temperature, chunk_rows, need_grad, impl, programs_per_sm
 ):
     total = x.new_empty((), dtype=torch.float32)
     if not need_grad:
@@ -292,7 +295,7 @@ def _softcapped_ce_backward(ctx, grad_out, _grad_x_out, _grad_w_out):
     # The loss is a sum: backward only scales the gradients the forward stored by the incoming scalar.
     grad_x, grad_w = ctx.saved_tensors
     g = grad_out.to(torch.float32)
-    return (grad_x * g.to(grad_x.dtype), grad_w * g.to(grad_w.dtype)) + (None,) * 8
+    return (grad_x * g.to(grad_x.dtype), grad_w * g.to(grad_w.dtype)) + (None,) * 9
 
 
 _softcapped_ce_sum.register_autograd(_softcapped_ce_backward, setup_context=_softcapped_ce_setup)
@@ -342,6 +345,7 @@ def softcapped_cross_entropy_sum(
     temperature: float,
     chunk_rows: int,
     impl: str = "reference",
+    programs_per_sm: int = 0,
 ) -> Tensor:
     """Summed multi-token softcapped CE of hidden states x [T, D] against lm_head ``weight`` [D, V]; fp32 0-D.
 
@@ -356,7 +360,8 @@ def softcapped_cross_entropy_sum(
     new graph.
 
     impl: one of LOSS_IMPLS; "auto" is "fused" on CUDA, "reference" elsewhere (the interpreter runs the
-    kernel on a CPU, but slower than the eager ops).
+    kernel on a CPU, but slower than the eager ops). programs_per_sm: the fused kernel's grid
+    (model.loss_programs_per_sm); the reference ignores it.
     """
     if impl not in LOSS_IMPLS:
         raise ValueError(f"loss impl {impl!r} must be one of {list(LOSS_IMPLS)} (model.loss_impl).")
@@ -374,5 +379,6 @@ def softcapped_cross_entropy_sum(
         chunk_rows,
         need_grad,
         impl,
+        programs_per_sm,
     )
     return loss
