@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from track_1_short.model.attention import ATTENTION_IMPLS, AttnSpec, PackedSequence, causal_self_attention
 from track_1_short.model.layers import (
     LOSS_IMPLS,
+    MLP_IMPLS,
     document_ids,
     document_starts,
     lookback_starts,
@@ -273,6 +274,10 @@ class ModelConfig:
     loss_impl: str = "auto"
     """The training loss between its GEMMs: "auto" (the fused Triton kernel on CUDA, the reference path
     elsewhere), "reference" (eager torch ops) or "fused" (on a CPU only under TRITON_INTERPRET=1)."""
+    mlp_impl: str = "reference"
+    """The ReLU² MLP: "reference" (torch ops; Inductor fuses the square into its own elementwise kernels) or
+    "fused" (the square, and in the backward its derivative, in the epilogue of a Triton GEMM:
+    track_1_short/perf/kernels/relu2_mlp.py; bf16 compute, CUDA, or a CPU under TRITON_INTERPRET=1)."""
     loss_programs_per_sm: int = 0
     """The fused loss kernel's grid: 0 launches one program per row; k > 0 launches k programs per
     multiprocessor (one on a CPU) that stride over the rows, so fewer rows are in flight and the kernel's
@@ -333,6 +338,13 @@ class ModelConfig:
             fail(f"attention_impl={self.attention_impl!r} must be one of {list(ATTENTION_IMPLS)}.")
         if self.loss_impl not in LOSS_IMPLS:
             fail(f"loss_impl={self.loss_impl!r} must be one of {list(LOSS_IMPLS)}.")
+        if self.mlp_impl not in MLP_IMPLS:
+            fail(f"mlp_impl={self.mlp_impl!r} must be one of {list(MLP_IMPLS)}.")
+        if self.mlp_impl == "fused" and self.compute_dtype != "bfloat16":
+            fail(
+                f"mlp_impl='fused' runs in bf16, but compute_dtype={self.compute_dtype!r}; use "
+                "mlp_impl=reference or compute_dtype=bfloat16."
+            )
         if self.loss_programs_per_sm < 0:
             fail(
                 f"loss_programs_per_sm={self.loss_programs_per_sm} must be >= 0 (0: one program per row; "
@@ -614,6 +626,10 @@ class GPT(nn.Module):
         self.topo = topo = Topology.of(cfg)
         self.compute_dtype = COMPUTE_DTYPES[cfg.compute_dtype]
         device = torch.device(device)
+        if cfg.mlp_impl == "fused" and device.type != "meta":
+            from track_1_short.perf.kernels.relu2_mlp import check_device
+
+            check_device(device)  # a clear error now, not at the first forward
         build = "meta" if device.type == "meta" else "cpu"
         d, h, hd, vp, L = cfg.model_dim, cfg.num_heads, cfg.head_dim, topo.vocab_padded, cfg.num_layers
         bf16, f32 = torch.bfloat16, torch.float32
@@ -1121,11 +1137,11 @@ class GPT(nn.Module):
                 x = x * resid[i, 1]
             else:
                 mlp_in = norm(x)
-                out = relu2_mlp(mlp_in, mlp[i][0], mlp[i][1])
+                out = relu2_mlp(mlp_in, mlp[i][0], mlp[i][1], cfg.mlp_impl)
                 post_mlp = mu[:, 13:14] if mu is not None else post[i, 1]
                 if i == cfg.parallel_mlp_layer:
                     p = L  # the parallel MLP's bank slot
-                    out = out + relu2_mlp(mlp_in, mlp[p][0], mlp[p][1])
+                    out = out + relu2_mlp(mlp_in, mlp[p][0], mlp[p][1], cfg.mlp_impl)
                 x = (mu[:, 12:13] if mu is not None else resid[i, 1]) * x + post_mlp * out
             if i in topo.cache_layers:
                 cache[i] = x

@@ -28,8 +28,19 @@ def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
 
-def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
-    """relu(x @ c_fc.T)^2 @ c_proj: x [T, D]; c_fc and c_proj both stored [hidden, D] (upstream's banks)."""
+MLP_IMPLS = ("reference", "fused")
+
+
+def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor, impl: str = "reference") -> Tensor:
+    """relu(x @ c_fc.T)^2 @ c_proj: x [T, D]; c_fc and c_proj both stored [hidden, D] (upstream's banks).
+
+    impl (model.mlp_impl): "reference", torch ops; "fused", the square and its backward in the epilogues of
+    a Triton GEMM (track_1_short/perf/kernels/relu2_mlp.py; bf16, CUDA or the interpreter).
+    """
+    if impl == "fused":
+        from track_1_short.perf.kernels.relu2_mlp import relu2_mlp_fused
+
+        return relu2_mlp_fused(x, c_fc.type_as(x), c_proj.type_as(x))
     h = F.relu(x @ c_fc.type_as(x).T)  # [T, hidden]
     return h.square() @ c_proj.type_as(x)  # [T, D]
 
