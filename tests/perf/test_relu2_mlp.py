@@ -9,15 +9,13 @@ sides and what is left to compare is the epilogue itself.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.perf.compile_sm90 import compile_outside_the_interpreter
 from track_1_short.model.gpt import ModelConfig, ModelConfigError
 from track_1_short.model.layers import relu2_mlp
 from track_1_short.perf.kernels import relu2_mlp as kernel_module
@@ -176,10 +174,7 @@ _COMPILE_FOR_H200 = textwrap.dedent(
 def test_the_kernel_compiles_for_the_h200_with_hopper_tensor_core_instructions():
     # The interpreter runs the BITS variant; the GPU's (bf16 operands straight into tl.dot) is compiled here
     # to an sm_90 cubin with the wheel's own ptxas for every autotuned tile, and its PTX must use wgmma.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_H200], env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = compile_outside_the_interpreter(_COMPILE_FOR_H200)
     assert proc.returncode == 0 and "compiled 10 variants" in proc.stdout, proc.stderr[-3000:]
 
 

@@ -6,15 +6,13 @@ compiled, with the GPU's approximate exp and log, at the record's vocabulary and
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 from tests.model.test_layers import CAP, SHIFT, TEMP
+from tests.perf.compile_sm90 import compile_outside_the_interpreter
 from track_1_short.model.gpt import ModelConfig, ModelConfigError
 from track_1_short.model.layers import (
     _fused_block,
@@ -241,13 +239,7 @@ _COMPILE_FOR_H200 = textwrap.dedent(
 
 
 def test_the_kernel_compiles_for_the_h200_on_this_machine():
-    # The interpreter accepts code that Triton's compiler rejects (it once took a helper whose constexpr
-    # branches returned different dtypes); compiling to an sm_90 cubin with the wheel's own ptxas needs no
-    # GPU.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_H200], env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = compile_outside_the_interpreter(_COMPILE_FOR_H200)
     assert proc.returncode == 0 and "compiled 4 variants" in proc.stdout, proc.stderr[-3000:]
 
 

@@ -20,3 +20,15 @@ def round_to_bf16_bits(x):
     rounded = ((bits + 0x7FFF + lsb) >> 16).to(tl.uint16)
     rounded = tl.where(x != x, 0x7FFF, rounded).to(tl.uint16)
     return rounded.to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def load_bf16(ptrs, mask, AS_BITS: tl.constexpr):
+    # A bf16 tile: as int16 bits widened exactly to fp32 (AS_BITS: the interpreter, which has no numpy bf16),
+    # or loaded as it is (the GPU: bf16 operands straight into tl.dot). One return for both branches: Triton
+    # type-checks every return of a function, even under a constexpr branch not taken.
+    if AS_BITS:
+        tile = widen_bf16(tl.load(ptrs, mask=mask, other=0))
+    else:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from track_1_short.perf.kernels.bf16_bits import round_to_bf16_bits, widen_bf16
+from track_1_short.perf.kernels.bf16_bits import load_bf16, round_to_bf16_bits, widen_bf16
 from track_1_short.perf.kernels.interpreter import check_device as _check_device
 from track_1_short.perf.kernels.interpreter import runs_interpreted
 
@@ -54,16 +54,6 @@ GPU_CONFIGS = [
 # Under the interpreter (numpy), where each program costs Python overhead: 64 x 64 x 64 tiles (tests pass
 # smaller ones to cross tile edges in every direction).
 BLOCK_INTERPRETER = 64
-
-
-@triton.jit
-def _load_operand(ptrs, mask, BITS: tl.constexpr):
-    # One return: Triton type-checks every return of a function, even under a constexpr branch not taken.
-    if BITS:
-        v = widen_bf16(tl.load(ptrs, mask=mask, other=0))
-    else:
-        v = tl.load(ptrs, mask=mask, other=0.0)
-    return v
 
 
 @triton.jit
@@ -101,8 +91,8 @@ def _linear_relu2_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = (k0 + rk) < K
-            a = _load_operand(a_rows + (k0 + rk)[None, :], m_ok[:, None] & k_ok[None, :], BITS)
-            b = _load_operand(b_rows + (k0 + rk)[None, :], n_ok[:, None] & k_ok[None, :], BITS)
+            a = load_bf16(a_rows + (k0 + rk)[None, :], m_ok[:, None] & k_ok[None, :], BITS)
+            b = load_bf16(b_rows + (k0 + rk)[None, :], n_ok[:, None] & k_ok[None, :], BITS)
             acc = tl.dot(a, tl.trans(b), acc)
         # The GEMM's bf16 output, as the reference's matmul rounds it (to nearest even, in integer arithmetic:
         # the interpreter's own conversion truncates), then the epilogue in fp32, rounded once.

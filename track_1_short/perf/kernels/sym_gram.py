@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from track_1_short.perf.kernels.bf16_bits import round_to_bf16_bits, widen_bf16
+from track_1_short.perf.kernels.bf16_bits import load_bf16, round_to_bf16_bits
 from track_1_short.perf.kernels.interpreter import check_device as _check_device
 from track_1_short.perf.kernels.interpreter import runs_interpreted
 
@@ -62,16 +62,6 @@ DEFAULT_BLOCK = 128  # output tile side: 128 x 128 fp32 accumulator over 8 warps
 DEFAULT_BLOCK_K = 64
 DEFAULT_NUM_WARPS = 8
 DEFAULT_NUM_STAGES = 3
-
-
-@triton.jit
-def _load_tile(ptrs, mask, WIDEN: tl.constexpr):
-    # One return for both branches (Triton type-checks every return of a function).
-    if WIDEN:
-        tile = widen_bf16(tl.load(ptrs, mask=mask, other=0))
-    else:
-        tile = tl.load(ptrs, mask=mask, other=0.0)
-    return tile
 
 
 @triton.jit
@@ -113,8 +103,8 @@ def _sym_gram_kernel(
         k_in = (k0 + ks) < k_len
         lhs_ptrs = x_base + rows[:, None] * x_s_stride + (k0 + ks)[None, :] * x_k_stride
         rhs_ptrs = x_base + (k0 + ks)[:, None] * x_k_stride + cols[None, :] * x_s_stride
-        lhs = _load_tile(lhs_ptrs, rows_in[:, None] & k_in[None, :], WIDEN)
-        rhs = _load_tile(rhs_ptrs, k_in[:, None] & cols_in[None, :], WIDEN)
+        lhs = load_bf16(lhs_ptrs, rows_in[:, None] & k_in[None, :], WIDEN)
+        rhs = load_bf16(rhs_ptrs, k_in[:, None] & cols_in[None, :], WIDEN)
         if WIDEN:
             acc = tl.dot(lhs, rhs, acc, input_precision="ieee")
         else:
@@ -123,7 +113,7 @@ def _sym_gram_kernel(
     if POLY:
         # x is A itself here: A[p, q] sits at p * x_s_stride + q * x_k_stride.
         a_ptrs = x_base + rows[:, None] * x_s_stride + cols[None, :] * x_k_stride
-        a = _load_tile(a_ptrs, rows_in[:, None] & cols_in[None, :], WIDEN).to(tl.float32)
+        a = load_bf16(a_ptrs, rows_in[:, None] & cols_in[None, :], WIDEN).to(tl.float32)
         acc = c_coef * acc + b_coef * a
     bits = round_to_bf16_bits(acc)
 
