@@ -109,11 +109,20 @@ def test_the_switch_selects_the_kernel_and_the_reference_stays_torch(monkeypatch
     assert calls == [2, 3]
 
 
-def test_the_op_compiles_whole_and_gives_the_eager_bits():
+def test_the_op_compiles_whole_forward_and_backward_and_gives_the_eager_bits():
+    # AOTAutograd traces the op's backward with fake tensors: the kernel launch there must be an op of its own
+    # (a plain launch fails on fake tensors; the trainer compiles the model).
     torch._dynamo.reset()
     x, w1, w2 = _ints(24, 16, high=3, seed=14), _ints(40, 16, high=3, seed=15), _ints(40, 16, high=2, seed=16)
+    dout = _ints(24, 16, high=2, seed=17)
     compiled = torch.compile(relu2_mlp_fused, backend="aot_eager", fullgraph=True, dynamic=False)
-    assert torch.equal(compiled(x, w1, w2), relu2_mlp_fused(x, w1, w2))
+    results = []
+    for fn in (compiled, relu2_mlp_fused):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+        out = fn(*leaves)
+        out.backward(dout)
+        results.append([out.detach(), *(t.grad for t in leaves)])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
     torch._dynamo.reset()
 
 

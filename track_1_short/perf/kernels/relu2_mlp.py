@@ -213,10 +213,22 @@ def _setup(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(output[1])
 
 
+@torch.library.custom_op("track_1_short::relu2_mlp_d_pre", mutates_args=())
+def _d_pre(dout: torch.Tensor, c_proj: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+    """The backward's epilogue GEMM, an op of its own: AOTAutograd traces the backward below with fake
+    tensors, which a Triton launch cannot take."""
+    return linear_relu2(dout, c_proj, post)
+
+
+@_d_pre.register_fake
+def _d_pre_fake(dout, c_proj, post):
+    return torch.empty_like(post)
+
+
 def _backward(ctx, dout, _dpost):
     x, c_fc, c_proj, post = ctx.saved_tensors
     dout = dout.contiguous()
-    d_pre = linear_relu2(dout, c_proj, post)  # [T, hidden]: 2 (dout c_projᵀ) relu(pre)
+    d_pre = _d_pre(dout, c_proj, post)  # [T, hidden]: 2 (dout c_projᵀ) relu(pre)
     return d_pre @ c_fc, d_pre.T @ x, post.T @ dout
 
 
