@@ -126,6 +126,21 @@ def test_the_op_compiles_whole_forward_and_backward_and_gives_the_eager_bits():
     torch._dynamo.reset()
 
 
+def test_the_autotuned_launch_takes_its_tile_from_the_chosen_config(monkeypatch):
+    # On CUDA the launch goes through the autotuner, whose configs set the tile and the grid: with one
+    # config the autotuner runs it without timing, so its launch path runs here under the interpreter.
+    import triton
+
+    one = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16})
+    tuner = triton.autotune(configs=[one], key=["M", "N", "K", "FORWARD"])(kernel_module._linear_relu2_kernel)
+    monkeypatch.setattr(kernel_module, "_linear_relu2_tuned", tuner)
+    x, w1 = _ints(37, 21, high=3, seed=18), _ints(45, 21, high=3, seed=19)
+    post = linear_relu2(x, w1, tuned=True)
+    assert torch.equal(post, _reference_post(x, w1))
+    dout, w2 = _ints(37, 21, high=2, seed=20), _ints(45, 21, high=2, seed=21)
+    assert torch.equal(linear_relu2(dout, w2, post, tuned=True), linear_relu2(dout, w2, post, block=16))
+
+
 def test_bad_operands_are_one_clear_error():
     x, w = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(6, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="must be bf16 with contiguous rows"):

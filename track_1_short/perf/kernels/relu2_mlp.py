@@ -134,13 +134,19 @@ def _programs(device: torch.device, tiles: int) -> int:
 
 
 def linear_relu2(
-    a: torch.Tensor, b: torch.Tensor, post: torch.Tensor | None = None, *, block: int | None = None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    post: torch.Tensor | None = None,
+    *,
+    block: int | None = None,
+    tuned: bool | None = None,
 ) -> torch.Tensor:
     """relu(a bᵀ)² (``post`` None: the forward) or 2 (a bᵀ) sqrt(post) (the backward's d_pre), bf16 [M, N].
 
     a [M, K] and b [N, K] bf16 with contiguous rows; post bf16 [M, N], contiguous (what the forward returned).
     block: one square tile size for all three dimensions (a power of two, at least 16) instead of the
-    defaults (BLOCK_M x BLOCK_N x BLOCK_K on CUDA, BLOCK_INTERPRETER elsewhere).
+    defaults (BLOCK_M x BLOCK_N x BLOCK_K on CUDA, BLOCK_INTERPRETER elsewhere). tuned: launch through the
+    autotuner over GPU_CONFIGS (default: on CUDA when no block is given).
     """
     if block is not None and (block < 16 or block & (block - 1)):
         raise ValueError(
@@ -164,7 +170,7 @@ def linear_relu2(
         return out
     bits = interpreted()
     out_bits = out.view(torch.int16)
-    if on_gpu and block is None:
+    if tuned if tuned is not None else on_gpu and block is None:
         kernel, launch = _linear_relu2_tuned, {}  # the tile comes from the autotuner
     else:
         size = block or BLOCK_INTERPRETER
