@@ -226,7 +226,8 @@ _COMPILE_FOR_H200 = textwrap.dedent(
         "inv_t": "fp32", "grad_scale": "fp32", "rows": "i32"}
     for is_bf16 in (True, False):
         for write_grad in (True, False):
-            consts = {"K": 3, "KP": 4, "IS_BF16": is_bf16, "WRITE_GRAD": write_grad, "BLOCK": BLOCK_GPU}
+            consts = {"K": 3, "KP": 4, "IS_BF16": is_bf16, "WRITE_GRAD": write_grad, "BLOCK": BLOCK_GPU,
+                      "PERSISTENT": is_bf16}  # the strided grid with the record's bf16 logits
             sig = {"u_ptr": "*i16" if is_bf16 else "*fp32", **ptr, **scalars}
             sig.update(dict.fromkeys(consts, "constexpr"))
             src = ASTSource(fn=_softcapped_ce_rows_kernel, signature=sig, constexprs=consts)

@@ -64,6 +64,78 @@ def _load_sigmoid(row_ptr, cols, mask, shift, inv_t, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def _ce_row(
+    row,
+    u_ptr,
+    u_stride,
+    tgt_ptr,
+    coef_ptr,
+    row_weight_ptr,
+    loss_ptr,
+    tgt_stride,
+    lo,
+    V,
+    cap,
+    shift,
+    inv_t,
+    grad_scale,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One row's loss and, with WRITE_GRAD, its gradient over its logits (the kernel's arguments below).
+    row_ptr = u_ptr + tl.cast(row, tl.int64) * u_stride  # rows x V passes 2^31 at the record's chunk
+    col = lo + row
+    cols = tl.arange(0, BLOCK)
+
+    # The K targets of this row as one small vector, read before pass 2 overwrites any of the row with its
+    # gradient (a target's sigmoid is needed after its column may already hold g).
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    t_vec = tl.load(tgt_ptr + ks * tgt_stride + col, mask=kmask, other=0)
+    c_vec = tl.load(coef_ptr + ks * tgt_stride + col, mask=kmask, other=0.0)
+    s_t = _load_sigmoid(row_ptr, t_vec, kmask, shift, inv_t, IS_BF16)
+
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        mask = idx < V
+        s = _load_sigmoid(row_ptr, idx, mask, shift, inv_t, IS_BF16)
+        acc += tl.where(mask, tl.exp(cap * s - cap), 0.0)
+    sum_e = tl.sum(acc, axis=0)
+    lse = cap + tl.log(sum_e)
+    tl.store(loss_ptr + row, tl.sum(tl.where(kmask, c_vec * (lse - cap * s_t), 0.0), axis=0))
+
+    if WRITE_GRAD:
+        scale = tl.math.div_rn(tl.load(row_weight_ptr + col) * grad_scale, sum_e)
+        for start in range(0, V, BLOCK):
+            idx = start + cols
+            mask = idx < V
+            s = _load_sigmoid(row_ptr, idx, mask, shift, inv_t, IS_BF16)
+            q = tl.exp(cap * s - cap) * s * scale
+            g = q - q * s
+            if IS_BF16:
+                tl.store(row_ptr + idx, round_to_bf16_bits(g), mask=mask)
+            else:
+                tl.store(row_ptr + idx, g, mask=mask)
+        # The K target columns again, now with their one-hot terms, once every store above has landed
+        # (the barrier orders this block's global stores). Repeated targets add up, as the reference's
+        # scatter_add does; a target past the batch's end (coefficient 0) rewrites its column with the
+        # value it has.
+        tl.debug_barrier()
+        d_vec = tl.where(kmask, -grad_scale * c_vec * s_t, 0.0)
+        d_sum = tl.sum(tl.where(t_vec[:, None] == t_vec[None, :], d_vec[None, :], 0.0), axis=1)
+        q_t = tl.exp(cap * s_t - cap) * s_t * scale + d_sum
+        g_t = q_t - q_t * s_t
+        if IS_BF16:
+            tl.store(row_ptr + t_vec, round_to_bf16_bits(g_t), mask=kmask)
+        else:
+            tl.store(row_ptr + t_vec, g_t, mask=kmask)
+
+
+@triton.jit
 def _softcapped_ce_rows_kernel(
     u_ptr,  # logits [rows, V] (int16 bits when IS_BF16), row stride u_stride; the gradient overwrites them
     u_stride,
@@ -84,57 +156,16 @@ def _softcapped_ce_rows_kernel(
     IS_BF16: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
-    # Programs stride over the rows: one per row (grid = rows), or a persistent grid that keeps fewer rows in
-    # flight, so that pass 2 re-reads a row while pass 1 left it in L2.
-    for row in range(tl.program_id(0), rows, tl.num_programs(0)):
-        row_ptr = u_ptr + tl.cast(row, tl.int64) * u_stride  # rows x V passes 2^31 at the record's chunk
-        col = lo + row
-        cols = tl.arange(0, BLOCK)
-
-        # The K targets of this row as one small vector, read before pass 2 overwrites any of the row with its
-        # gradient (a target's sigmoid is needed after its column may already hold g).
-        ks = tl.arange(0, KP)
-        kmask = ks < K
-        t_vec = tl.load(tgt_ptr + ks * tgt_stride + col, mask=kmask, other=0)
-        c_vec = tl.load(coef_ptr + ks * tgt_stride + col, mask=kmask, other=0.0)
-        s_t = _load_sigmoid(row_ptr, t_vec, kmask, shift, inv_t, IS_BF16)
-
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, V, BLOCK):
-            idx = start + cols
-            mask = idx < V
-            s = _load_sigmoid(row_ptr, idx, mask, shift, inv_t, IS_BF16)
-            acc += tl.where(mask, tl.exp(cap * s - cap), 0.0)
-        sum_e = tl.sum(acc, axis=0)
-        lse = cap + tl.log(sum_e)
-        tl.store(loss_ptr + row, tl.sum(tl.where(kmask, c_vec * (lse - cap * s_t), 0.0), axis=0))
-
-        if WRITE_GRAD:
-            scale = tl.math.div_rn(tl.load(row_weight_ptr + col) * grad_scale, sum_e)
-            for start in range(0, V, BLOCK):
-                idx = start + cols
-                mask = idx < V
-                s = _load_sigmoid(row_ptr, idx, mask, shift, inv_t, IS_BF16)
-                q = tl.exp(cap * s - cap) * s * scale
-                g = q - q * s
-                if IS_BF16:
-                    tl.store(row_ptr + idx, round_to_bf16_bits(g), mask=mask)
-                else:
-                    tl.store(row_ptr + idx, g, mask=mask)
-            # The K target columns again, now with their one-hot terms, once every store above has landed
-            # (the barrier orders this block's global stores). Repeated targets add up, as the reference's
-            # scatter_add does; a target past the batch's end (coefficient 0) rewrites its column with the
-            # value it has.
-            tl.debug_barrier()
-            d_vec = tl.where(kmask, -grad_scale * c_vec * s_t, 0.0)
-            d_sum = tl.sum(tl.where(t_vec[:, None] == t_vec[None, :], d_vec[None, :], 0.0), axis=1)
-            q_t = tl.exp(cap * s_t - cap) * s_t * scale + d_sum
-            g_t = q_t - q_t * s_t
-            if IS_BF16:
-                tl.store(row_ptr + t_vec, round_to_bf16_bits(g_t), mask=kmask)
-            else:
-                tl.store(row_ptr + t_vec, g_t, mask=kmask)
+    args = (u_ptr, u_stride, tgt_ptr, coef_ptr, row_weight_ptr, loss_ptr, tgt_stride, lo, V, cap, shift)
+    if PERSISTENT:
+        # Programs stride over the rows, fewer of them in flight than one program per row keeps, so that
+        # pass 2 may re-read a row that pass 1 left in L2.
+        for row in range(tl.program_id(0), rows, tl.num_programs(0)):
+            _ce_row(row, *args, inv_t, grad_scale, K, KP, IS_BF16, WRITE_GRAD, BLOCK)
+    else:
+        _ce_row(tl.program_id(0), *args, inv_t, grad_scale, K, KP, IS_BF16, WRITE_GRAD, BLOCK)
 
 
 def softcapped_ce_rows_(
@@ -196,6 +227,7 @@ def softcapped_ce_rows_(
         IS_BF16=is_bf16,
         WRITE_GRAD=write_grad,
         BLOCK=block,
+        PERSISTENT=programs is not None,
         num_warps=num_warps,
     )
     return loss
