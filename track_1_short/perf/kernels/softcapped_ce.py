@@ -15,11 +15,15 @@ logit in bf16, where the reference (model/layers.py, eager torch ops over fp32 [
 60. The one-hot terms touch K columns of the row: the second pass writes every column without them, and after
 a block barrier (every store of the pass has landed) the K target columns are written again with them, rather
 than comparing every column with the K targets. Each element is otherwise read and written by the same
-program only, so the in-place gradient is race-free. bf16 loads widen exactly and bf16 stores round to
-nearest even in integer arithmetic (kernels/bf16_bits.py), so the interpreter and the GPU round alike. exp,
-log and sigmoid are Triton's (approximate on the GPU, within a few fp32 ulps), and the row sum is a tree:
-results agree with the reference to a bound, not bitwise (tests/perf/test_softcapped_ce.py says which and
-why).
+program only, so the in-place gradient is race-free. With ``programs`` (``model.loss_programs_per_sm``) a
+grid of that many programs strides over the rows: the same row body in the same order, so the same bits,
+with fewer rows in flight, so that the second pass may find its 100 KB row (bf16, the record's vocabulary)
+still in L2 and move about 4 bytes per logit from memory instead of 6 (unmeasured on a GPU so far).
+
+bf16 loads widen exactly and bf16 stores round to nearest even in integer arithmetic (kernels/bf16_bits.py),
+so the interpreter and the GPU round alike. exp, log and sigmoid are Triton's (approximate on the GPU, within
+a few fp32 ulps), and the row sum is a tree: results agree with the reference to a bound, not bitwise
+(tests/perf/test_softcapped_ce.py says which and why).
 
 The idea, computing the loss and the logit gradient in one pass over a chunk's logits so that no fp32 [rows,
 V] intermediate is ever written, is the fused cross-entropy of upstream's record (its Triton cross-entropy
