@@ -3,6 +3,7 @@
     python perf/bench_train_step.py --out perf/results/train_step.json  # CUDA, record_1gpu, stages 0 2
     python perf/bench_train_step.py --device cpu --tiny --out /tmp/ts.json  # CPU smoke, smoke_record
     python perf/bench_train_step.py optim.replicated_impl=device --stages 2  # Hydra overrides
+    python perf/bench_train_step.py --stages 2 --arm mlp="model.mlp_impl=fused"  # a lever against the default
 
 What is timed is ``Trainer.train_step`` (track_1_short/trainer.py), the very function the training loop
 calls: the schedule, the loader's next batches, forward and backward per microbatch, the guards and
@@ -20,6 +21,12 @@ with what this GPU does, not with a datasheet; FLOPs per token are the model's `
 document of the batches the loader gave (length and windows), token-weighted. The floor of ms/step is the
 step's FLOPs at that rate (100% MFU); forward and backward floors are 1/3 and 2/3 of it.
 
+Arms (``--arm NAME="OVERRIDES"``, repeatable): after the baseline (the positional overrides), each arm builds
+its own trainer with its overrides added and measures the same stages, one after another in this process
+(one GPU, one pair of rate probes around them all): each row names its ``arm``, and ``vs_baseline`` is its
+tokens/s over the baseline's at the same stage. That is how a fast path is judged against the default, on
+the same machine.
+
 What stands between a figure and its floor: the forward/backward/optimizer split (the optimizer is outside
 the FLOP count) and, on CUDA, one profiled Adam cycle: the share of it in which the GPU runs kernels (the rest
 is launch and host overhead) and how kernel time splits into GEMMs, attention and the rest.
@@ -28,9 +35,11 @@ is launch and host overhead) and how kernel time splits into GEMMs, attention an
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -396,10 +405,12 @@ def measure_stage(
 
 
 def stage_note(row: dict) -> str:
-    """One sentence on where a stage's step time goes, relative to its floors."""
+    """One sentence on where a stage's step time goes, relative to its floors (naming its arm, if any)."""
     share = 100 * row["optimizer_ms"] / row["ms_per_step"]
+    arm = f"{row['arm']}: " if "arm" in row else ""
+    versus = f" ({row['vs_baseline']:.4f}x the baseline's tokens/s)" if "vs_baseline" in row else ""
     parts = [
-        f"stage {row['stage']} ({row['tokens']:,} tokens): {row['ms_per_step']:.2f} ms/step, "
+        f"{arm}stage {row['stage']} ({row['tokens']:,} tokens){versus}: {row['ms_per_step']:.2f} ms/step, "
         f"{row['ms_per_step'] / row['ms_per_step_floor']:.2f}x its floor ({row['mfu_pct']:.1f}% MFU)",
         f"forward {row['forward_ms']:.2f} ms ({row['forward_ms'] / row['forward_ms_floor']:.2f}x its floor), "
         f"backward {row['backward_ms']:.2f} ms ({row['backward_ms'] / row['backward_ms_floor']:.2f}x), "
@@ -424,8 +435,10 @@ def print_table(rows: list[dict]) -> None:
             return "-"
         return f"{v:,.2f}" if isinstance(v, float) else str(v)
 
-    table = [list(PRINTED)] + [[cell(r.get(k)) for k in PRINTED] for r in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(PRINTED))]
+    arms = any("arm" in r for r in rows)
+    keys = (["arm"] if arms else []) + list(PRINTED) + (["vs_baseline"] if arms else [])
+    table = [keys] + [[cell(r.get(k)) for k in keys] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(keys))]
     for line in table:
         print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
 
@@ -442,8 +455,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--profile", action=argparse.BooleanOptionalAction, default=True, help="CUDA kernel breakdown")
     add("--top-kernels", type=int, default=25, help="list the N costliest kernels of the profiled cycle")
     add("--matmul-size", type=int, default=None, help="n of the n^3 bf16 matmul rate (8192; cpu 256)")
+    add(
+        "--arm",
+        action="append",
+        default=[],
+        metavar='NAME="OVERRIDES"',
+        help="another arm (NAME: letters, digits, _ and -): the same stages with these Hydra overrides added "
+        "(space-separated), measured after the baseline in this process, with its tokens/s against the "
+        "baseline's (repeatable)",
+    )
     add("--out", type=Path, default=None, help="write the JSON result here")
     args = p.parse_args(argv)
+    args.arms = []
+    for text in args.arm:
+        name, _, overrides = text.partition("=")
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", name) or not overrides.split():
+            p.error(f'--arm {text!r}: write NAME="OVERRIDES", e.g. --arm mlp="model.mlp_impl=fused".')
+        if name == "baseline" or name in dict(args.arms):
+            p.error(f"--arm {name}: arm names must differ from each other and from 'baseline'.")
+        args.arms.append((name, overrides.split()))
     cpu = args.device == "cpu"
     experiment = TINY_EXPERIMENT if args.tiny else DEFAULT_EXPERIMENT
     if not any(o.lstrip("+").startswith("experiment=") for o in args.overrides):
@@ -476,6 +506,57 @@ def compose(overrides: list[str], device: str, runs_root: str):
         )
 
 
+def check_stages(args: argparse.Namespace, tcfg, arm: str) -> None:
+    """Refuse stages the arm's schedule lacks and a warmup shorter than its Adam cycle."""
+    n_stages = len(tcfg.schedule.stages)
+    where = "" if arm == "baseline" else f" (arm {arm})"
+    for i in args.stages:
+        if not 0 <= i < n_stages:
+            raise ValueError(
+                f"--stages: stage {i} does not exist; the schedule has {n_stages} stages{where}."
+            )
+    if args.warmup < tcfg.optim.adam_every:
+        raise ValueError(
+            f"--warmup {args.warmup} must cover an Adam cycle "
+            f"(optim.adam_every={tcfg.optim.adam_every}{where}): both kinds of step compile or load kernels "
+            "on their first call."
+        )
+
+
+def measure_arm(trainer, args: argparse.Namespace, rate: float, arm: str | None) -> list[dict]:
+    """The rows of ``args.stages`` on ``trainer`` (named ``arm`` when there are several), then the trainer
+    closed and its memory and compiled graphs let go, so that the next arm starts as this one did."""
+    rows = []
+    try:
+        for stage in args.stages:
+            row = measure_stage(trainer, stage, args.warmup, args.steps, rate, args.profile, args.top_kernels)
+            row = row if arm is None else {"arm": arm, **row}
+            rows.append(row)
+            print(stage_note(row), flush=True)
+    finally:
+        trainer.loader.close()
+        trainer.log.close()
+        gc.collect()
+        torch._dynamo.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def table_title(row: dict) -> str:
+    """The title of a row's kernel table (its arm first, if any)."""
+    arm = f"{row['arm']}, " if "arm" in row else ""
+    return f"{arm}stage {row['stage']}: the costliest kernels of a profiled Adam cycle, per step"
+
+
+def add_vs_baseline(rows: list[dict]) -> None:
+    """Each arm's row gets its tokens/s over the baseline's at the same stage."""
+    base = {r["stage"]: r["tokens_per_s"] for r in rows if r["arm"] == "baseline"}
+    for row in rows:
+        if row["arm"] != "baseline":
+            row["vs_baseline"] = row["tokens_per_s"] / base[row["stage"]]
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv if argv is None else argv
     args = parse_args(argv[1:])
@@ -492,36 +573,26 @@ def main(argv: list[str] | None = None) -> dict:
     from track_1_short.trainer import Trainer, bf16_matmul_route
 
     meta = bench_metadata(argv, device)  # taken first: the date is when the run started
+    arms = [("baseline", [])] + args.arms
     with tempfile.TemporaryDirectory() as runs_root:
-        cfg = compose(args.overrides, args.device, runs_root)
-        tcfg = to_object(cfg)
-        n_stages = len(tcfg.schedule.stages)
-        for i in args.stages:
-            if not 0 <= i < n_stages:
-                raise ValueError(f"--stages: stage {i} does not exist; the schedule has {n_stages} stages.")
-        if args.warmup < tcfg.optim.adam_every:
-            raise ValueError(
-                f"--warmup {args.warmup} must cover an Adam cycle "
-                f"(optim.adam_every={tcfg.optim.adam_every}): both kinds of step compile or load kernels on "
-                "their first call."
-            )
+        # Every arm's config first: a bad override or stage fails before any measuring.
+        configs = []
+        for name, extra in arms:
+            cfg = compose([*args.overrides, *extra], args.device, runs_root)
+            tcfg = to_object(cfg)
+            check_stages(args, tcfg, name)
+            configs.append((name, cfg, tcfg))
         # The route trainer.run takes for these matmuls (cpu_bf16_matmul): the rate and the step use it alike.
-        with cpu_bf16_matmul.route(bf16_matmul_route(tcfg, device)[0]):
+        with cpu_bf16_matmul.route(bf16_matmul_route(configs[0][2], device)[0]):
             rate = matmul_tflops(args.matmul_size, device, reps=RATE_REPS, warmup_s=RATE_WARMUP_S)
             print(f"bf16 matmul {args.matmul_size}^3: {rate:.4g} TFLOP/s on {meta['device']}", flush=True)
             run_device = distributed.init(args.device)
-            trainer = Trainer(tcfg, OmegaConf.to_container(cfg, resolve=True), run_device)
-            try:
-                rows = []
-                for stage in args.stages:
-                    row = measure_stage(
-                        trainer, stage, args.warmup, args.steps, rate, args.profile, args.top_kernels
-                    )
-                    rows.append(row)
-                    print(stage_note(row), flush=True)
-            finally:
-                trainer.loader.close()
-                trainer.log.close()
+            rows = []
+            for name, cfg, tcfg in configs:
+                with cpu_bf16_matmul.route(bf16_matmul_route(tcfg, device)[0]):  # an arm may choose another
+                    trainer = Trainer(tcfg, OmegaConf.to_container(cfg, resolve=True), run_device)
+                    rows += measure_arm(trainer, args, rate, name if len(arms) > 1 else None)
+                    del trainer  # measure_arm closed it; its memory goes before the next arm's build
             # The rate again, after the stages: MFU and floors are stated at the higher of the two, what this
             # GPU does, so that a probe that caught it below its clocks cannot inflate MFU.
             again = matmul_tflops(args.matmul_size, device, reps=RATE_REPS, warmup_s=RATE_WARMUP_S)
@@ -531,13 +602,9 @@ def main(argv: list[str] | None = None) -> dict:
                 rows = [at_rate(row, again) for row in rows]
                 for row in rows:
                     print(f"at {again:.4g} TFLOP/s: {stage_note(row)}", flush=True)
-    tables = {
-        f"stage {row['stage']}: the costliest kernels of a profiled Adam cycle, per step": row.pop(
-            "top_kernels"
-        )
-        for row in rows
-        if row.get("top_kernels")
-    }
+    if len(arms) > 1:
+        add_vs_baseline(rows)
+    tables = {table_title(row): row.pop("top_kernels") for row in rows if row.get("top_kernels")}
     print_table(rows)
     for title, table in tables.items():
         print(title)
@@ -547,8 +614,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     payload = {
         **meta,
-        "title": f"Trainer.train_step, {' '.join(args.overrides)}, world size 1",
+        "title": f"Trainer.train_step, {' '.join(args.overrides)}, world size 1"
+        + "".join(f"; arm {name}: {' '.join(extra)}" for name, extra in args.arms),
         "overrides": args.overrides,
+        **({"arms": {name: extra for name, extra in args.arms}} if args.arms else {}),
         "matmul_tflops_probes": rates,
         "rows": rows,
         **({"tables": tables} if tables else {}),

@@ -1,5 +1,6 @@
 """The parts of perf/bench_train_step.py that decide its figures: shapes, data, timing, kernel classes."""
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -210,3 +211,72 @@ def test_a_row_restated_at_a_higher_rate_has_lower_mfu_and_floors_and_nothing_el
     )
     assert out["ms_per_step"] == 600.0 and out["tokens_per_s"] == 6e5
     assert row["mfu_pct"] == 50.0  # the input row is left as it was
+
+
+@pytest.mark.parametrize(
+    ("arm", "message"),
+    [
+        (
+            "model.mlp_impl=fused",
+            "write NAME=",
+        ),  # no name: a name has no dots, so this is not "name=overrides"
+        ("mlp=", "write NAME="),
+        ("a b=model.mlp_impl=fused", "write NAME="),
+        ("baseline=seed=3", "must differ"),
+    ],
+)
+def test_parse_refuses_a_malformed_or_clashing_arm(arm, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--tiny", "--arm", arm])
+    assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # two arms of one name
+        bench.parse_args(["--device", "cpu", "--tiny", "--arm", "x=seed=1", "--arm", "x=seed=2"])
+
+
+def test_an_arm_adds_its_overrides_after_the_baselines():
+    args = bench.parse_args(
+        ["--device", "cpu", "--tiny", "seed=3", "--arm", "mlp=model.mlp_impl=fused seed=4"]
+    )
+    assert args.arms == [("mlp", ["model.mlp_impl=fused", "seed=4"])]
+
+
+def test_a_bad_arm_fails_before_anything_is_measured(tmp_path, capsys):
+    from hydra.errors import ConfigCompositionException
+
+    out = tmp_path / "r.json"
+    argv = ["perf/bench_train_step.py", "--device", "cpu", "--tiny", "--out", str(out)]
+    with pytest.raises(ConfigCompositionException, match="model.no_such_field"):
+        bench.main([*argv, "--arm", "bad=model.no_such_field=1"])
+    with pytest.raises(ValueError, match=r"optim.adam_every=4 \(arm slow\)"):
+        bench.main([*argv, "--warmup", "2", "--arm", "slow=optim.adam_every=4"])
+    assert not out.exists() and "bf16 matmul" not in capsys.readouterr().out  # nothing was timed
+
+
+def test_vs_baseline_is_each_arms_tokens_per_s_over_the_baselines_at_its_stage():
+    rows = [
+        {"arm": "baseline", "stage": 0, "tokens_per_s": 100.0},
+        {"arm": "baseline", "stage": 2, "tokens_per_s": 50.0},
+        {"arm": "mlp", "stage": 0, "tokens_per_s": 110.0},
+        {"arm": "mlp", "stage": 2, "tokens_per_s": 40.0},
+    ]
+    bench.add_vs_baseline(rows)
+    assert [r.get("vs_baseline") for r in rows] == [None, None, 1.1, 0.8]
+
+
+def test_arms_run_one_after_another_and_name_their_rows(tmp_path):
+    out = tmp_path / "arms.json"
+    argv = ["perf/bench_train_step.py", "--device", "cpu", "--tiny", "--no-profile", "--out", str(out)]
+    payload = bench.main([*argv, "--arm", "ref=optim.replicated_impl=reference"])
+    saved = json.loads(out.read_text())
+    assert [(r["arm"], r["stage"]) for r in saved["rows"]] == [("baseline", 0), ("ref", 0)]
+    base, ref = saved["rows"]
+    assert "vs_baseline" not in base
+    assert ref["vs_baseline"] == pytest.approx(ref["tokens_per_s"] / base["tokens_per_s"], rel=1e-12)
+    assert saved["arms"] == {"ref": ["optim.replicated_impl=reference"]}
+    assert "arm ref: optim.replicated_impl=reference" in saved["title"]
+    assert payload["notes"][1].startswith("ref: stage 0")
+
+
+def test_kernel_tables_are_titled_by_arm_and_stage():
+    assert bench.table_title({"stage": 2}).startswith("stage 2: the costliest kernels")
+    assert bench.table_title({"arm": "mlp", "stage": 2}).startswith("mlp, stage 2: the costliest kernels")
