@@ -13,6 +13,8 @@
 #                         (TRAIN_STEP_ARGS="optim.bank_update=triton" TRAIN_STEP_NAME=train_step_triton_bank:
 #                         Hydra overrides, and the JSON's name, for a before/after pair)
 #         loss            perf/bench_loss.py --programs-per-sm 0 1 2 4  -> perf/results/loss.json
+#         levers          perf/bench_train_step.py --stages 2, the default against each opt-in fast path as an
+#                         --arm (LEVERS: "name=override ..." per line, default below) -> train_step_levers.json
 #         scaling         perf/scaling.py (the preset through torchrun on 1 and all GPUs; skipped on one GPU)
 #                                                       -> perf/results/scaling.json
 #         results         perf/results.py               -> perf/RESULTS.md (from every JSON in perf/results/)
@@ -28,7 +30,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-all_stages=(preset tests replicated_adam optimizer train_step loss scaling results)
+all_stages=(preset tests replicated_adam optimizer train_step loss levers scaling results)
 stages=("$@")
 [[ ${#stages[@]} -gt 0 ]] || stages=("${all_stages[@]}")
 for s in "${stages[@]}"; do
@@ -146,6 +148,22 @@ preset() {  # the one-GPU record preset through the trainer, then its figures (p
   hand_back "perf/results/$name.json"
 }
 
+# The opt-in fast paths, one arm each, measured against the defaults at stage 2 (about 90 s an arm, most of it
+# the arm's first compiled step).
+default_levers='mlp_fused=model.mlp_impl=fused
+loss_grid2=model.loss_programs_per_sm=2
+anvil_triton=optim.bank_update=triton optim.cascade_gram=triton'
+
+levers() {
+  local arms=() line
+  while IFS= read -r line; do
+    [[ -z $line ]] || arms+=(--arm "$line")
+  done <<<"${LEVERS:-$default_levers}"
+  python3 perf/bench_train_step.py --stages 2 "${arms[@]}" --out perf/results/train_step_levers.json 2>&1 \
+    | tee -a "$log" || return
+  hand_back perf/results/train_step_levers.json
+}
+
 scaling() {  # only with several GPUs: on one, its K = 1 run is the preset stage's
   local n
   n=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -166,6 +184,7 @@ for s in "${stages[@]}"; do
   case $s in
     preset) run_stage preset preset ;;
     tests) run_stage tests gpu_tests ;;
+    levers) run_stage levers levers ;;
     scaling) run_stage scaling scaling ;;
     results) run_stage results results_md ;;
     *) run_stage "$s" bench "$s" ;;

@@ -207,3 +207,21 @@ def test_run_gpu_without_a_gpu_fails_loudly_and_still_copies_its_log(tmp_path):
     assert "no CUDA device" in proc.stderr and "FAILED" in proc.stderr
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["bench.log"]
     assert "no CUDA device" in (tmp_path / "out" / "bench.log").read_text()
+
+
+def test_run_gpu_levers_are_arms_the_train_step_bench_accepts():
+    # The levers stage passes each line of its default list as one --arm: each must parse there, and each
+    # must name a switch of the config (a typo would cost a GPU run to find).
+    from tests.perf_scripts import load_perf_script
+
+    script = (REPO_ROOT / "perf" / "run_gpu.sh").read_text()
+    block = script.split("default_levers='", 1)[1].split("'", 1)[0]
+    lines = [line for line in block.splitlines() if line]
+    assert len(lines) >= 3
+    bench = load_perf_script("bench_train_step")
+    args = bench.parse_args(
+        ["--device", "cpu", "--stages", "2", *(a for line in lines for a in ("--arm", line))]
+    )
+    assert [name for name, _ in args.arms] == [line.split("=", 1)[0] for line in lines]
+    for _, overrides in args.arms:
+        bench.compose([*args.overrides, *overrides], "cpu", "/tmp/runs")  # Hydra refuses an unknown key
