@@ -25,7 +25,8 @@ Arms (``--arm NAME="OVERRIDES"``, repeatable): after the baseline (the positiona
 its own trainer with its overrides added and measures the same stages, one after another in this process
 (one GPU, one pair of rate probes around them all): each row names its ``arm``, and ``vs_baseline`` is its
 tokens/s over the baseline's at the same stage. That is how a fast path is judged against the default, on
-the same machine.
+the same machine. An arm that fails becomes one row with its ``error``, and the next arm still runs (a
+failing baseline stops the bench).
 
 What stands between a figure and its floor: the forward/backward/optimizer split (the optimizer is outside
 the FLOP count) and, on CUDA, one profiled Adam cycle: the share of it in which the GPU runs kernels (the rest
@@ -549,10 +550,15 @@ def table_title(row: dict) -> str:
     return f"{arm}stage {row['stage']}: the costliest kernels of a profiled Adam cycle, per step"
 
 
+def measured(rows: list[dict]) -> list[dict]:
+    """The rows with figures (an arm that failed has one row with its ``error`` instead)."""
+    return [r for r in rows if "error" not in r]
+
+
 def add_vs_baseline(rows: list[dict]) -> None:
     """Each arm's row gets its tokens/s over the baseline's at the same stage."""
     base = {r["stage"]: r["tokens_per_s"] for r in rows if r["arm"] == "baseline"}
-    for row in rows:
+    for row in measured(rows):
         if row["arm"] != "baseline":
             row["vs_baseline"] = row["tokens_per_s"] / base[row["stage"]]
 
@@ -589,18 +595,26 @@ def main(argv: list[str] | None = None) -> dict:
             run_device = distributed.init(args.device)
             rows = []
             for name, cfg, tcfg in configs:
-                with cpu_bf16_matmul.route(bf16_matmul_route(tcfg, device)[0]):  # an arm may choose another
-                    trainer = Trainer(tcfg, OmegaConf.to_container(cfg, resolve=True), run_device)
-                    rows += measure_arm(trainer, args, rate, name if len(arms) > 1 else None)
-                    del trainer  # measure_arm closed it; its memory goes before the next arm's build
+                try:
+                    with cpu_bf16_matmul.route(
+                        bf16_matmul_route(tcfg, device)[0]
+                    ):  # an arm may choose another
+                        trainer = Trainer(tcfg, OmegaConf.to_container(cfg, resolve=True), run_device)
+                        rows += measure_arm(trainer, args, rate, name if len(arms) > 1 else None)
+                        del trainer  # measure_arm closed it; its memory goes before the next arm's build
+                except Exception as exc:  # noqa: BLE001 - an arm's failure is its row; the others still run
+                    if name == "baseline":
+                        raise
+                    print(f"{name}: FAILED: {exc!r}", file=sys.stderr, flush=True)
+                    rows.append({"arm": name, "error": f"{type(exc).__name__}: {exc}"[:500]})
             # The rate again, after the stages: MFU and floors are stated at the higher of the two, what this
             # GPU does, so that a probe that caught it below its clocks cannot inflate MFU.
             again = matmul_tflops(args.matmul_size, device, reps=RATE_REPS, warmup_s=RATE_WARMUP_S)
             print(f"bf16 matmul {args.matmul_size}^3 after the stages: {again:.4g} TFLOP/s", flush=True)
             rates = [rate, again]
             if again > rate:  # the stage lines above used the first probe
-                rows = [at_rate(row, again) for row in rows]
-                for row in rows:
+                rows = [row if "error" in row else at_rate(row, again) for row in rows]
+                for row in measured(rows):
                     print(f"at {again:.4g} TFLOP/s: {stage_note(row)}", flush=True)
     if len(arms) > 1:
         add_vs_baseline(rows)
@@ -621,7 +635,8 @@ def main(argv: list[str] | None = None) -> dict:
         "matmul_tflops_probes": rates,
         "rows": rows,
         **({"tables": tables} if tables else {}),
-        "notes": [stage_note(r) for r in rows]
+        "notes": [stage_note(r) for r in measured(rows)]
+        + [f"arm {r['arm']} failed: {r['error']}" for r in rows if "error" in r]
         + [
             "ms_per_step: the Adam cycle's mean of per-kind medians. Floors: the FLOPs (flops_per_token x "
             "tokens) at the matmul rate measured in this run; forward and backward: 1/3 and 2/3 of that.",

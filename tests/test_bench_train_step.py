@@ -280,3 +280,24 @@ def test_arms_run_one_after_another_and_name_their_rows(tmp_path):
 def test_kernel_tables_are_titled_by_arm_and_stage():
     assert bench.table_title({"stage": 2}).startswith("stage 2: the costliest kernels")
     assert bench.table_title({"arm": "mlp", "stage": 2}).startswith("mlp, stage 2: the costliest kernels")
+
+
+def test_a_failing_arm_becomes_a_row_with_its_error_and_the_next_arm_still_runs(tmp_path, monkeypatch):
+    measure_arm = bench.measure_arm
+
+    def failing(trainer, args, rate, arm):
+        if arm == "boom":
+            raise RuntimeError("the kernel did not launch")
+        return measure_arm(trainer, args, rate, arm)
+
+    monkeypatch.setattr(bench, "measure_arm", failing)
+    out = tmp_path / "arms.json"
+    argv = ["perf/bench_train_step.py", "--device", "cpu", "--tiny", "--no-profile", "--out", str(out)]
+    bench.main([*argv, "--arm", "boom=seed=5", "--arm", "ok=seed=6"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["arm"] for r in rows] == ["baseline", "boom", "ok"]
+    assert rows[1] == {"arm": "boom", "error": "RuntimeError: the kernel did not launch"}
+    assert rows[2]["vs_baseline"] > 0
+    with pytest.raises(RuntimeError, match="did not launch"):  # a failing baseline stops the bench
+        monkeypatch.setattr(bench, "measure_arm", lambda *a: failing(*a[:3], "boom"))
+        bench.main([*argv, "--arm", "ok=seed=6"])
