@@ -595,10 +595,9 @@ def main(argv: list[str] | None = None) -> dict:
             run_device = distributed.init(args.device)
             rows = []
             for name, cfg, tcfg in configs:
+                route = bf16_matmul_route(tcfg, device)[0]  # an arm may choose another
                 try:
-                    with cpu_bf16_matmul.route(
-                        bf16_matmul_route(tcfg, device)[0]
-                    ):  # an arm may choose another
+                    with cpu_bf16_matmul.route(route):
                         trainer = Trainer(tcfg, OmegaConf.to_container(cfg, resolve=True), run_device)
                         rows += measure_arm(trainer, args, rate, name if len(arms) > 1 else None)
                         del trainer  # measure_arm closed it; its memory goes before the next arm's build
