@@ -608,7 +608,15 @@ def main(argv: list[str] | None = None) -> dict:
                     rows.append({"arm": name, "error": f"{type(exc).__name__}: {exc}"[:500]})
             # The rate again, after the stages: MFU and floors are stated at the higher of the two, what this
             # GPU does, so that a probe that caught it below its clocks cannot inflate MFU.
-            again = matmul_tflops(args.matmul_size, device, reps=RATE_REPS, warmup_s=RATE_WARMUP_S)
+            try:
+                again = matmul_tflops(args.matmul_size, device, reps=RATE_REPS, warmup_s=RATE_WARMUP_S)
+            except Exception as exc:  # noqa: BLE001 - an arm that broke the device: keep what was measured
+                if all("error" not in r for r in rows):
+                    raise
+                print(
+                    f"the second rate probe failed after a failed arm ({exc!r}); using the first", flush=True
+                )
+                again = rate
             print(f"bf16 matmul {args.matmul_size}^3 after the stages: {again:.4g} TFLOP/s", flush=True)
             rates = [rate, again]
             if again > rate:  # the stage lines above used the first probe

@@ -301,3 +301,28 @@ def test_a_failing_arm_becomes_a_row_with_its_error_and_the_next_arm_still_runs(
     with pytest.raises(RuntimeError, match="did not launch"):  # a failing baseline stops the bench
         monkeypatch.setattr(bench, "measure_arm", lambda *a: failing(*a[:3], "boom"))
         bench.main([*argv, "--arm", "ok=seed=6"])
+
+
+def test_a_device_broken_by_a_failing_arm_still_leaves_the_rows_measured_before(tmp_path, monkeypatch):
+    measure_arm, probe = bench.measure_arm, bench.matmul_tflops
+    probes = []
+
+    def failing(trainer, args, rate, arm):
+        if arm == "boom":
+            raise RuntimeError("an illegal memory access was encountered")
+        return measure_arm(trainer, args, rate, arm)
+
+    def flaky_probe(*a, **k):  # the second probe runs on the device the arm broke
+        probes.append(1)
+        if len(probes) > 1:
+            raise RuntimeError("an illegal memory access was encountered")
+        return probe(*a, **k)
+
+    monkeypatch.setattr(bench, "measure_arm", failing)
+    monkeypatch.setattr(bench, "matmul_tflops", flaky_probe)
+    out = tmp_path / "arms.json"
+    argv = ["perf/bench_train_step.py", "--device", "cpu", "--tiny", "--no-profile", "--out", str(out)]
+    bench.main([*argv, "--arm", "boom=seed=5"])
+    saved = json.loads(out.read_text())
+    assert [r["arm"] for r in saved["rows"]] == ["baseline", "boom"]
+    assert saved["matmul_tflops_probes"][0] == saved["matmul_tflops_probes"][1]  # the first, twice
