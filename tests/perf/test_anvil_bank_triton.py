@@ -9,11 +9,14 @@ kernels run in Triton's interpreter; the ``gpu`` tests run them compiled at the 
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 
 from tests.optim import fake_model as fm
 from tests.optim.test_anvil import lr_multiplier, snapshot
+from tests.perf.compile_sm90 import compile_outside_the_interpreter
 from track_1_short.optim.anvil import AnvilAndAdam, OptimConfig
 from track_1_short.optim.anvil_bank import (
     AnvilBank,
@@ -304,3 +307,46 @@ def test_on_cuda_the_kernels_agree_with_eager_at_the_track1_bank_shapes(label):
         assert max(errs) <= bound, (label, s, max(errs), bound)
         assert energy_err <= scale_bound(length, lanes) and energy_zero_same, (label, s, energy_err)
         assert still, (label, s)
+
+
+_COMPILE_FOR_H200 = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from track_1_short.perf.kernels import anvil_bank as k
+
+    kernels = [
+        (k._rails_kernel,
+         {"grad_ptr": "*i16", "velocity_ptr": "*fp32", "u_ptr": "*i16", "scalars_ptr": "*fp32", "n": "i32",
+          "slow_weight": "fp32"},
+         [{"FMA_VIA_FP64": False, "BLOCK": k.ELEMENTWISE_BLOCK}], k.ELEMENTWISE_WARPS),
+        (k._lane_power_kernel,
+         {"v_ptr": "*fp32", "power_ptr": "*fp32", "lanes": "i32", "length": "i32", "matrix_stride": "i32",
+          "lane_stride": "i32", "red_stride": "i32"},
+         [{"BLOCK_LANES": k.LANE_BLOCK, "BLOCK_R": k.REDUCE_BLOCK}], 4),
+        (k._master_step_kernel,
+         {"v_ptr": "*fp32", "scale_ptr": "*fp32", "slow_ptr": "*fp32", "weight_ptr": "*i16",
+          "mantissa_ptr": "*i16", "scalars_ptr": "*fp32", "n": "i32", "rows": "i32", "cols": "i32",
+          "lanes": "i32"},
+         [{"LANES_ARE_ROWS": rows, "N_SCALARS": k._N_SCALARS, "BLOCK": k.ELEMENTWISE_BLOCK}
+          for rows in (True, False)], k.ELEMENTWISE_WARPS),
+    ]
+    count = 0
+    for fn, sig, variants, warps in kernels:
+        for consts in variants:
+            src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+            opts = {"num_warps": warps, "enable_fp_fusion": False}
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+            assert compiled.asm["cubin"], fn.__name__
+            count += 1
+    print(f"compiled {count} kernels")
+    """
+)
+
+
+def test_the_kernels_compile_for_the_h200_on_this_machine():
+    # The interpreter runs the FMA_VIA_FP64 variant of the rails; the GPU's (tl.fma) and the other two kernels
+    # are compiled here to sm_90 cubins with the wheel's own ptxas, as the trainer launches them.
+    proc = compile_outside_the_interpreter(_COMPILE_FOR_H200)
+    assert proc.returncode == 0 and "compiled 4 kernels" in proc.stdout, proc.stderr[-3000:]

@@ -14,9 +14,12 @@ only where it does (then S is much larger than the result).
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 
+from tests.perf.compile_sm90 import compile_outside_the_interpreter
 from track_1_short.optim import anvil, anvil_bank
 from track_1_short.optim.anvil import AnvilAndAdam, OptimConfig
 from track_1_short.optim.polar_express import orthogonalize
@@ -351,3 +354,34 @@ def test_gpu_cascade_with_the_kernels_compiles_whole_with_inductor():
     compiled = torch.compile(orthogonalize, fullgraph=True, dynamic=False)
     assert rel_err(compiled(x, 1.05, "triton"), orthogonalize(x, gram="triton")) < 1e-2
     torch._dynamo.reset()
+
+
+_COMPILE_FOR_H200 = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from track_1_short.perf.kernels import sym_gram as k
+
+    ints = ["s", "k_len", "x_batch_stride", "x_s_stride", "x_k_stride", "out_batch_stride", "out_row_stride",
+            "out_col_stride"]
+    sig = {"x_ptr": "*bf16", "out_ptr": "*i16", **dict.fromkeys(ints, "i32"), "b_coef": "fp32",
+           "c_coef": "fp32"}
+    for poly in (False, True):
+        consts = {"POLY": poly, "WIDEN": False, "BLOCK": k.DEFAULT_BLOCK, "BLOCK_K": k.DEFAULT_BLOCK_K}
+        src = ASTSource(fn=k._sym_gram_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
+                        constexprs=consts)
+        opts = {"num_warps": k.DEFAULT_NUM_WARPS, "num_stages": k.DEFAULT_NUM_STAGES}
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        assert "wgmma" in compiled.asm["ptx"], ("no Hopper tensor-core instructions", poly)
+        assert compiled.metadata.shared <= 232448, ("over an H100/H200 block's shared memory", poly)
+    print("compiled 2 variants")
+    """
+)
+
+
+def test_the_kernel_compiles_for_the_h200_with_hopper_tensor_core_instructions():
+    # The interpreter runs the WIDEN variant; the GPU's (bf16 tiles straight into tl.dot) is compiled here to
+    # an sm_90 cubin with the wheel's own ptxas, at the default tiles, and its PTX must use wgmma.
+    proc = compile_outside_the_interpreter(_COMPILE_FOR_H200)
+    assert proc.returncode == 0 and "compiled 2 variants" in proc.stdout, proc.stderr[-3000:]
