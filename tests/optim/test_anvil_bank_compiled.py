@@ -111,24 +111,25 @@ def test_a_graph_break_in_the_bank_update_is_an_error_not_an_eager_fallback(back
 KINDS = {"tall": (3, 24, 8), "wide": (3, 8, 24), "square": (2, 16, 16)}
 
 
+def twin_banks(shape, device, seed, update_fn, gram="bmm"):
+    """(generator, eager bank, bank stepping through ``update_fn``): the same random weights, zero gradients,
+    the record's constants; the generator goes on to draw the gradients."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weight = (torch.randn(shape, generator=gen, device=device) * 0.02).bfloat16()
+    eager = AnvilBank("b", torch.zeros_like(weight), weight.clone(), 0.9, 0.98, 1.05, gram=gram)
+    other = AnvilBank(
+        "b", torch.zeros_like(weight), weight.clone(), 0.9, 0.98, 1.05, update_fn=update_fn, gram=gram
+    )
+    return gen, eager, other
+
+
 def step_pair(shape, backend_name, device, steps, seed=0):
     """Eager and compiled banks stepped side by side on the same gradients; before each step the compiled
     bank takes the eager one's state, so each step is compared from the same master, rails and energies.
     Returns, per step: (each moving matrix's relative step error, the slow rail's and the lane energy's
     relative error, frozen matrices bitwise still)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
     n = shape[0]
-    weight = (torch.randn(shape, generator=gen, device=device) * 0.02).bfloat16()
-    eager = AnvilBank("b", torch.zeros_like(weight), weight.clone(), 0.9, 0.98, 1.05)
-    compiled = AnvilBank(
-        "b",
-        torch.zeros_like(weight),
-        weight.clone(),
-        0.9,
-        0.98,
-        1.05,
-        update_fn=bank_compile.compiled_bank_update(backend_name),
-    )
+    gen, eager, compiled = twin_banks(shape, device, seed, bank_compile.compiled_bank_update(backend_name))
     eff_lr = [0.023 * (1.0 + 0.5 * j) for j in range(n - 1)] + [0.0]
     out = []
     for s in range(steps):

@@ -13,14 +13,19 @@ def load_bench():
     return load_perf_script("bench_optimizer")
 
 
-def test_bench_runs_small_on_the_cpu_and_writes_rows_with_floors(tmp_path, capsys):
-    bench = load_bench()
+def run_small(bench, tmp_path, *flags) -> dict:
+    """bench_optimizer on the CPU, one timed step per arm and no warmup; its JSON, read back and checked."""
     out = tmp_path / "optimizer.json"
-    args = ["--device", "cpu", "--shapes", "small", "--steps", "1", "--warmup", "0", "--matmul-size", "128"]
+    args = ["--device", "cpu", "--steps", "1", "--warmup", "0", "--matmul-size", "128", *flags]
     assert bench.main([*args, "--out", str(out)]) == 0
     payload = json.loads(out.read_text())
     check_bench_payload(payload, str(out))
-    rows = payload["rows"]
+    return payload
+
+
+def test_bench_runs_small_on_the_cpu_and_writes_rows_with_floors(tmp_path, capsys):
+    bench = load_bench()
+    rows = run_small(bench, tmp_path, "--shapes", "small")["rows"]
     assert [r["bank"] for r in rows[:-1]] == list(bench.SMALL_BANKS)
     for row in rows:
         for key in ("step_ms", "cascade_ms", "cascade_ms_floor", "rest_ms_floor"):
@@ -47,10 +52,7 @@ def test_both_bank_update_arms_are_measured_in_one_run_and_rendered(tmp_path, mo
     bench = load_bench()
     _, opt, _ = bench.build(bench.SMALL_BANKS, torch.device("cpu"), "compiled")
     assert all(b.update_fn is not bank_update_ for b in opt.banks.values())
-    out = tmp_path / "optimizer.json"
-    args = ["--device", "cpu", "--steps", "1", "--warmup", "0", "--matmul-size", "128"]
-    assert bench.main([*args, "--bank-update", "eager", "compiled", "--out", str(out)]) == 0
-    payload = json.loads(out.read_text())
+    payload = run_small(bench, tmp_path, "--bank-update", "eager", "compiled")
     assert payload["bank_update"] == ["eager", "compiled"]
     rows = payload["rows"]
     per_arm = len(bench.SMALL_BANKS) + 1
@@ -74,11 +76,7 @@ def test_both_cascade_gram_arms_are_measured_in_one_run(tmp_path):
     bench = load_bench()
     _, opt, _ = bench.build(bench.SMALL_BANKS, torch.device("cpu"), "eager", "triton")
     assert all(b.constants["gram"] == "triton" for b in opt.banks.values())
-    out = tmp_path / "optimizer.json"
-    args = ["--device", "cpu", "--steps", "1", "--warmup", "0", "--matmul-size", "128"]
-    assert bench.main([*args, "--cascade-gram", "bmm", "triton", "--out", str(out)]) == 0
-    payload = json.loads(out.read_text())
-    check_bench_payload(payload, str(out))
+    payload = run_small(bench, tmp_path, "--cascade-gram", "bmm", "triton")
     assert payload["cascade_gram"] == ["bmm", "triton"]
     rows = payload["rows"]
     per_arm = len(bench.SMALL_BANKS) + 1
@@ -100,11 +98,7 @@ def test_the_triton_bank_update_arm_runs_on_the_cpu(tmp_path):
     bench = load_bench()
     _, opt, _ = bench.build(bench.SMALL_BANKS, torch.device("cpu"), "triton")
     assert all(b.update_fn is triton_bank_update_ for b in opt.banks.values())
-    out = tmp_path / "optimizer.json"
-    args = ["--device", "cpu", "--steps", "1", "--warmup", "0", "--matmul-size", "128"]
-    assert bench.main([*args, "--bank-update", "eager", "triton", "--out", str(out)]) == 0
-    payload = json.loads(out.read_text())
-    check_bench_payload(payload, str(out))
+    payload = run_small(bench, tmp_path, "--bank-update", "eager", "triton")
     assert payload["bank_update"] == ["eager", "triton"]
     rows = payload["rows"]
     per_arm = len(bench.SMALL_BANKS) + 1

@@ -16,6 +16,7 @@ import torch
 
 from tests.optim import fake_model as fm
 from tests.optim.test_anvil import lr_multiplier, snapshot
+from tests.optim.test_anvil_bank_compiled import twin_banks
 from tests.perf.compile_sm90 import compile_outside_the_interpreter
 from track_1_short.optim.anvil import AnvilAndAdam, OptimConfig
 from track_1_short.optim.anvil_bank import (
@@ -152,20 +153,8 @@ def step_pair(shape, device, steps, seed=0, gram="bmm"):
     takes the eager one's master and lane energy (the rails are compared without that: they must stay
     bitwise). Returns per step: (each moving matrix's relative step error, the bound's reference), the lane
     energy's largest relative error, rails bitwise, eff_lr-0 matrices bitwise still."""
-    gen = torch.Generator(device=device).manual_seed(seed)
     n = shape[0]
-    weight = (torch.randn(shape, generator=gen, device=device) * 0.02).bfloat16()
-    eager = AnvilBank("b", torch.zeros_like(weight), weight.clone(), 0.9, 0.98, 1.05, gram=gram)
-    triton_ = AnvilBank(
-        "b",
-        torch.zeros_like(weight),
-        weight.clone(),
-        0.9,
-        0.98,
-        1.05,
-        update_fn=kernels.triton_bank_update_,
-        gram=gram,
-    )
+    gen, eager, triton_ = twin_banks(shape, device, seed, kernels.triton_bank_update_, gram)
     out = []
     for s in range(steps):
         for role in ("weight", "lane_energy", "mantissa"):
