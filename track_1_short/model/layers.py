@@ -199,7 +199,8 @@ def _fused_block(tgt, valid, w_k, row_weight, cap, shift, temperature, need_grad
     """The per-chunk loss and logit gradient as one Triton kernel over the GEMM's output, the gradient
     written over it (track_1_short/perf/kernels/softcapped_ce.py): the same contract as _reference_block.
     programs_per_sm: model.loss_programs_per_sm (0: one program per row)."""
-    from track_1_short.perf.kernels.softcapped_ce import multiprocessors, softcapped_ce_rows_
+    from track_1_short.perf.kernels.interpreter import multiprocessors
+    from track_1_short.perf.kernels.softcapped_ce import softcapped_ce_rows_
 
     programs = programs_per_sm * multiprocessors(tgt.device) if programs_per_sm else None
     targets_kt = tgt.contiguous()

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from track_1_short.perf.kernels.bf16_bits import load_bf16, round_to_bf16_bits, widen_bf16
 from track_1_short.perf.kernels.interpreter import check_device as _check_device
-from track_1_short.perf.kernels.interpreter import runs_interpreted
+from track_1_short.perf.kernels.interpreter import multiprocessors, runs_interpreted
 
 # The H100/H200 tile the sm_90 compile test checks: 128 x 256 outputs, 64-deep slices of the reduction
 # (D = 768: 12 of them), 8 warps, 3 stages of 48 KB of operands in shared memory (upstream's choice).
@@ -130,7 +130,7 @@ def check_device(device: torch.device | str, what: str = "model.mlp_impl=fused")
 def _programs(device: torch.device, tiles: int) -> int:
     if device.type != "cuda":
         return tiles  # the interpreter runs programs one after another: one tile each
-    return min(tiles, torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(tiles, multiprocessors(device))
 
 
 def linear_relu2(

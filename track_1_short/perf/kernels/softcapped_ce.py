@@ -44,13 +44,6 @@ BLOCK_INTERPRETER = 1 << 16  # one numpy operation per row under the interpreter
 _NUM_WARPS = 8
 
 
-def multiprocessors(device: torch.device) -> int:
-    """The device's streaming multiprocessors (1 off CUDA: the interpreter runs programs one by one)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @triton.jit
 def _load_u(row_ptr, cols, mask, IS_BF16: tl.constexpr):
     # One return: Triton type-checks every return of a function, even under a constexpr branch not taken.
