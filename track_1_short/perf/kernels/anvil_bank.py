@@ -171,9 +171,14 @@ def _master_step_kernel(
     tl.store(mantissa_ptr + offs, (bits & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
 
 
+# Read once here: torch.compile cannot trace an isinstance test of a compiled Triton kernel, and the
+# device checks run inside compiled code.
+_INTERPRETED = runs_interpreted(_rails_kernel)
+
+
 def interpreted() -> bool:
     """Whether these kernels run in Triton's interpreter (TRITON_INTERPRET=1 when this module was loaded)."""
-    return runs_interpreted(_rails_kernel)
+    return _INTERPRETED
 
 
 def check_device(device: torch.device | str, what: str = "optim.bank_update=triton") -> None:

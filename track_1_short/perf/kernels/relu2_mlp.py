@@ -116,9 +116,14 @@ _linear_relu2_tuned = triton.autotune(
 )(_linear_relu2_kernel)
 
 
+# Read once here: torch.compile cannot trace an isinstance test of a compiled Triton kernel, and the
+# device checks run inside compiled code.
+_INTERPRETED = runs_interpreted(_linear_relu2_kernel)
+
+
 def interpreted() -> bool:
     """Whether the kernel runs in Triton's interpreter (TRITON_INTERPRET=1 when this module was loaded)."""
-    return runs_interpreted(_linear_relu2_kernel)
+    return _INTERPRETED
 
 
 def check_device(device: torch.device | str, what: str = "model.mlp_impl=fused") -> None:

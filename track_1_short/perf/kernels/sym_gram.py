@@ -129,9 +129,14 @@ def _sym_gram_kernel(
     tl.store(lower, mirrored, mask=mirror_in)
 
 
+# Read once here: torch.compile cannot trace an isinstance test of a compiled Triton kernel, and the
+# device checks run inside compiled code.
+_INTERPRETED = runs_interpreted(_sym_gram_kernel)
+
+
 def interpreted() -> bool:
     """Whether these kernels run in Triton's interpreter (TRITON_INTERPRET=1 when this module was loaded)."""
-    return runs_interpreted(_sym_gram_kernel)
+    return _INTERPRETED
 
 
 def check_device(device: torch.device | str, what: str) -> None:
