@@ -149,10 +149,10 @@ preset() {  # the one-GPU record preset through the trainer, then its figures (p
 }
 
 # The opt-in fast paths, one arm each, measured against the defaults at stage 2 (about 90 s an arm, most of it
-# the arm's first compiled step).
+# the arm's first compiled step), and the optimizer's route before the presets took the Triton kernels.
 default_levers='mlp_fused=model.mlp_impl=fused
 loss_grid2=model.loss_programs_per_sm=2
-anvil_triton=optim.bank_update=triton optim.cascade_gram=triton'
+anvil_eager=optim.bank_update=eager optim.cascade_gram=bmm'
 
 levers() {
   local arms=() line
