@@ -371,7 +371,11 @@ _COMPILE_FOR_H200 = textwrap.dedent(
     built = 0
     # What a launch on the record's banks specializes on: a unit stride (along the sum for X X^T and the
     # polynomial, between the product's rows for X^T X) and every other size and stride a multiple of 16.
-    for poly, unit in ((False, "x_k_stride"), (False, "x_s_stride"), (True, "x_k_stride")):
+    # The polynomial's coefficients come as fp32 from a plain launch and as fp64 from Inductor.
+    variants = [(False, "x_k_stride", "fp32"), (False, "x_s_stride", "fp32"), (True, "x_k_stride", "fp32"),
+                (True, "x_k_stride", "fp64")]
+    for poly, unit, coef in variants:
+        sig.update(b_coef=coef, c_coef=coef)
         consts = {unit: 1, "out_col_stride": 1, "POLY": poly, "WIDEN": False, "BLOCK": k.DEFAULT_BLOCK,
                   "BLOCK_K": k.DEFAULT_BLOCK_K, "EVEN_K": True}
         aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in consts
@@ -380,7 +384,7 @@ _COMPILE_FOR_H200 = textwrap.dedent(
                         constexprs=consts, attrs=aligned)
         opts = {"num_warps": k.DEFAULT_NUM_WARPS, "num_stages": k.DEFAULT_NUM_STAGES}
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-        assert "wgmma" in compiled.asm["ptx"], ("no Hopper tensor-core instructions", poly, unit)
+        assert "wgmma" in compiled.asm["ptx"], ("no Hopper tensor-core instructions", poly, unit, coef)
         assert compiled.metadata.shared <= 232448, ("over an H100/H200 block's shared memory", poly, unit)
         # Software-pipelined: the operand loads are cp.async copies into shared memory, stages deep.
         copies = compiled.asm["ttgir"].count("async_copy_global_to_local")
@@ -395,4 +399,4 @@ def test_the_kernel_compiles_for_the_h200_with_hopper_tensor_core_instructions()
     # The interpreter runs the WIDEN variant; the GPU's (bf16 tiles straight into tl.dot) is compiled here to
     # an sm_90 cubin with the wheel's own ptxas, at the default tiles, and its PTX must use wgmma.
     proc = compile_outside_the_interpreter(_COMPILE_FOR_H200)
-    assert proc.returncode == 0 and "compiled 3 variants" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "compiled 4 variants" in proc.stdout, proc.stderr[-3000:]

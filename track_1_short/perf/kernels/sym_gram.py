@@ -121,7 +121,9 @@ def _sym_gram_kernel(
         # x is A itself here: A[p, q] sits at p * x_s_stride + q * x_k_stride.
         a_ptrs = x_base + rows[:, None] * x_s_stride + cols[None, :] * x_k_stride
         a = load_bf16(a_ptrs, rows_in[:, None] & cols_in[None, :], WIDEN).to(tl.float32)
-        acc = c_coef * acc + b_coef * a
+        # In fp32 whatever the launcher passed: Inductor hands Python floats to a kernel as fp64 scalars,
+        # a plain launch as fp32 (the same coefficients once rounded to fp32, so the same bits).
+        acc = tl.cast(c_coef, tl.float32) * acc + tl.cast(b_coef, tl.float32) * a
     bits = round_to_bf16_bits(acc)
 
     in_bounds = rows_in[:, None] & cols_in[None, :]
