@@ -148,11 +148,12 @@ preset() {  # the one-GPU record preset through the trainer, then its figures (p
   hand_back "perf/results/$name.json"
 }
 
-# The opt-in fast paths, one arm each, measured against the defaults at stage 2 (about 90 s an arm, most of it
-# the arm's first compiled step), and the optimizer's route before the presets took the Triton kernels.
+# The opt-in fast paths, one arm each, measured against the defaults at stage 2 (about 50 s an arm, most of it
+# the arm's first compiled step), and the bank update the presets had before the Triton one.
 default_levers='mlp_fused=model.mlp_impl=fused
 loss_grid2=model.loss_programs_per_sm=2
-anvil_eager=optim.bank_update=eager optim.cascade_gram=bmm'
+gram_triton=optim.cascade_gram=triton
+bank_eager=optim.bank_update=eager'
 
 levers() {
   local arms=() line
