@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from track_1_short.optim.polar_express import ANVIL_MAPS, cascade_flops, orthogonalize
+from track_1_short.optim.polar_express import ANVIL_MAPS, cascade_flops, orthogonalize, scaled_to_bf16
 
 # The track-1 bank matrices: qk 256 x 768 (wide), vo 768 x 768 (square), mlp 2816 x 768 (tall).
 BANK_SHAPES = {"qk": (256, 768), "vo": (768, 768), "mlp": (2816, 768)}
@@ -155,3 +155,17 @@ def test_cascade_on_nearly_zero_bf16_input_is_finite_and_never_above_the_band(sc
     y = orthogonalize(x)
     assert torch.isfinite(y.float()).all()
     assert float(torch.linalg.svdvals(y.double()).max()) < 1.01
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_normalisation_has_the_bits_of_the_fp32_division_rounded_once(device):
+    # One kernel in place of x.float() / d then .bfloat16(): the same fp32 quotient, the same rounding.
+    gen = torch.Generator().manual_seed(5)
+    # Magnitudes from 1e-30 to 1e30 across columns: subnormal quotients and quotients that overflow to inf.
+    x = (torch.randn(5, 33, 70, generator=gen) * torch.logspace(-30, 30, 70)).bfloat16().to(device)
+    divisor = torch.cat([torch.rand(4, 1, 1, generator=gen) * 1e3 + 1e-6, torch.full((1, 1, 1), 1e-30)])
+    divisor = divisor.to(device)
+    for d in (divisor, divisor.square()):
+        got = scaled_to_bf16(x, d)
+        want = (x.float() / d).bfloat16()
+        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
