@@ -12,9 +12,10 @@ X <- a X + X (b A + c A^2); otherwise A = X X^T and X <- a X + (b A + c A^2) X. 
 first Gram is taken on the raw input and its trace is ||X||_F^2 >= s_max^2, so dividing X by
 d = margin * sqrt(trace) * BF16_HEADROOM + eps (and A by d^2) bounds every singular value by 1/margin, bf16
 rounding included, without a separate norm pass. Matmuls run in bf16 with fp32 accumulation; the scaling
-runs in fp32, rounded once to bf16. ``gram`` picks what computes the two symmetric products of a round (A and b A + c A A):
-"bmm" (torch's bmm/baddbmm, the reference) or "triton" (:mod:`track_1_short.perf.kernels.sym_gram`: only
-the tiles on or above the diagonal, mirrored). The application a X + X B is a torch.baddbmm in both.
+runs in fp32, rounded once to bf16. ``gram`` picks what computes the two symmetric products of a round (A
+and b A + c A A): "bmm" (torch's bmm/baddbmm, the reference) or "triton"
+(:mod:`track_1_short.perf.kernels.sym_gram`: only the tiles on or above the diagonal, mirrored). The
+application a X + X B is a torch.baddbmm in both.
 
 Provenance: the maps and the trace trick are those of the upstream record "#360 (ANVIL2)"
 (``ANVIL_MAPS``, ``FROBENIUS_MARGIN``, ``FROBENIUS_EPS`` in modded-nanogpt's
