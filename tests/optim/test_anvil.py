@@ -26,14 +26,15 @@ SPLIT_AT = 4  # embed unties at the start of step 4
 HAS_FUSED = importlib.util.find_spec("track_1_short.perf.replicated_adam") is not None
 
 
-def make_cfg(impl: str = "reference") -> OptimConfig:
+def make_cfg(impl: str = "reference", bank_update: str = "eager") -> OptimConfig:
     # Rails engage at step 3 so that both the fast-only and the blended momentum run within a few steps.
-    return OptimConfig(replicated_impl=impl, rail_engage_step=3)
+    return OptimConfig(replicated_impl=impl, rail_engage_step=3, bank_update=bank_update)
 
 
-def build(impl: str = "reference", named=None, tied: bool = True):
+def build(impl: str = "reference", named=None, tied: bool = True, bank_update: str = "eager"):
     named = fm.make_params() if named is None else named
-    opt = AnvilAndAdam(named, fm.param_table(tied), fm.SCATTER_ORDER, fm.WORK_ORDER, make_cfg(impl))
+    cfg = make_cfg(impl, bank_update)
+    opt = AnvilAndAdam(named, fm.param_table(tied), fm.SCATTER_ORDER, fm.WORK_ORDER, cfg)
     return named, opt
 
 
@@ -124,47 +125,56 @@ def from_bytes(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
-def _world_worker(rank: int, world: int, impl: str, other: bytes) -> bytes:
+def _world_worker(rank: int, world: int, impl: str, bank_update: str, other: bytes) -> bytes:
     other_sd, other_params = from_bytes(other)
     grads_for = lambda s: fm.rank_grads(s, rank, world)
     # A run from scratch, saving its state after SAVE_AT steps.
-    named, opt = build(impl)
+    named, opt = build(impl, bank_update=bank_update)
     run_steps(named, opt, range(SAVE_AT), grads_for)
     mid_sd, mid_params = opt.state_dict(), snapshot(named)
     run_steps(named, opt, range(SAVE_AT, STEPS), grads_for)
     out = {"mid_sd": mid_sd, "mid_params": mid_params, "final": snapshot(named), "final_sd": opt.state_dict()}
     # A fresh optimizer resumed from a state saved by a run of another world size.
-    named, opt = build(impl)
+    named, opt = build(impl, bank_update=bank_update)
     load_params(named, other_params)
     opt.load_state_dict(other_sd)
     run_steps(named, opt, range(SAVE_AT, STEPS), grads_for)
     out["resumed"], out["resumed_sd"] = snapshot(named), opt.state_dict()
+    out["update_fns"] = sorted({bank.update_fn.__name__ for bank in opt.banks.values()})
     opt.assert_views_intact()
     return to_bytes(out)
 
 
 @pytest.mark.parametrize(
-    "world, impl",
+    "world, impl, bank_update",
     [
-        pytest.param(2, "fused", marks=pytest.mark.skipif(not HAS_FUSED, reason="no ReplicatedAdam")),
+        pytest.param(
+            2, "fused", "eager", marks=pytest.mark.skipif(not HAS_FUSED, reason="no ReplicatedAdam")
+        ),
         # Three ranks: lm_head's 16 rows and embed's 40 pad to 18 and 42, mlp_bank's 4 matrices to 6, so the
         # last rank's mlp chunk is all padding; the reference replicated path does one all_reduce per tensor.
-        (3, "reference"),
+        (3, "reference", "eager"),
+        # The record presets' Triton bank update (interpreted here) on sharded chunks, the padding one too.
+        (3, "reference", "triton"),
     ],
 )
 @pytest.mark.slow
-def test_ranks_match_one_process_fed_averaged_grads_and_state_moves_between_world_sizes(world, impl):
+def test_ranks_match_one_process_fed_averaged_grads_and_state_moves_between_world_sizes(
+    world, impl, bank_update
+):
     # The single-process reference: world 1, fed the exact average of the ranks' gradients.
     averaged = lambda s: fm.mean_grads(s)
-    named, opt = build(impl)
+    named, opt = build(impl, bank_update=bank_update)
     run_steps(named, opt, range(SAVE_AT), averaged)
     ref_mid_sd, ref_mid_params = opt.state_dict(), snapshot(named)
     run_steps(named, opt, range(SAVE_AT, STEPS), averaged)
     ref_final, ref_final_sd = snapshot(named), opt.state_dict()
 
-    args = (impl, to_bytes((ref_mid_sd, ref_mid_params)))
+    args = (impl, bank_update, to_bytes((ref_mid_sd, ref_mid_params)))
     ranks = [from_bytes(r) for r in run_ranks(_world_worker, world, *args)]
     r0 = ranks[0]
+    want_fn = {"eager": "bank_update_", "triton": "triton_bank_update_"}[bank_update]
+    assert all(r["update_fns"] == [want_fn] for r in ranks), [r["update_fns"] for r in ranks]
     # Saved after a non-Adam step: the state carries the accumulating Adam gradients, averaged over ranks.
     assert ref_mid_sd["pending_grads"] and set(r0["mid_sd"]["pending_grads"]) == set(
         ref_mid_sd["pending_grads"]
@@ -179,7 +189,7 @@ def test_ranks_match_one_process_fed_averaged_grads_and_state_moves_between_worl
     # World 1 -> world W: the ranks resumed from the single process's state end where it ended.
     assert_same_run((r0["resumed"], r0["resumed_sd"]), ref, f"world {world} resumed from world 1")
     # World W -> world 1: a single process resumed from rank 0's state ends where the W ranks ended.
-    named, opt = build(impl)
+    named, opt = build(impl, bank_update=bank_update)
     load_params(named, r0["mid_params"])
     opt.load_state_dict(r0["mid_sd"])
     run_steps(named, opt, range(SAVE_AT, STEPS), averaged)
