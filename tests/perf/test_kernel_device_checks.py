@@ -1,8 +1,8 @@
 """The Triton kernel modules' device checks run inside torch.compile'd code (the cascade calls sym_gram's
 from orthogonalize). On a GPU the module's kernel is a compiled Triton function, and Dynamo cannot trace an
 isinstance test of one, so whether a module runs interpreted must be read once at import, never from the
-kernel at call time. The CPU runs the interpreter, so each test puts a real (uncompiled-to-interpreter)
-JITFunction where the module's kernel is, as a GPU would have it, and compiles the check with fullgraph."""
+kernel at call time. The CPU runs the interpreter, so each test puts a plain JITFunction (what @triton.jit
+gives outside the interpreter) where the module's kernel is, and compiles the check with fullgraph."""
 
 from __future__ import annotations
 

@@ -171,8 +171,7 @@ def _master_step_kernel(
     tl.store(mantissa_ptr + offs, (bits & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
 
 
-# Read once here: torch.compile cannot trace an isinstance test of a compiled Triton kernel, and the
-# device checks run inside compiled code.
+# Once, at import (runs_interpreted says why).
 _INTERPRETED = runs_interpreted(_rails_kernel)
 
 

@@ -11,7 +11,10 @@ from triton.runtime.interpreter import InterpretedFunction
 
 
 def runs_interpreted(kernel) -> bool:
-    """Whether ``kernel`` (a ``@triton.jit`` function) runs in Triton's interpreter."""
+    """Whether ``kernel`` (a ``@triton.jit`` function) runs in Triton's interpreter.
+
+    Call it once, when the kernel's module is imported, and keep the answer: the modules' device checks run
+    inside torch.compile'd code, and Dynamo cannot trace an isinstance test of a compiled Triton kernel."""
     return isinstance(kernel, InterpretedFunction)
 
 
