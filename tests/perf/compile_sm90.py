@@ -7,8 +7,10 @@ returned different dtypes), so the GPU variants of the kernels are compiled here
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import tempfile
 
 
 def compile_outside_the_interpreter(script: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -17,3 +19,29 @@ def compile_outside_the_interpreter(script: str, timeout: float = 300) -> subpro
     return subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def assert_pipelined(compiled, stages: int, *what) -> None:
+    """Assert that a kernel compiled for sm_90 software-pipelines its operand loads: cp.async copies into
+    shared memory, at least two a stage beyond the first (``what`` names the variant in the message)."""
+    copies = compiled.asm["ttgir"].count("async_copy_global_to_local")
+    assert copies >= 2 * (stages - 1), ("operand loads not pipelined", *what, copies)
+
+
+def spill_bytes(compiled) -> int:
+    """Bytes of registers spilled to local memory (stores), from the wheel's own ``ptxas -v`` on the
+    kernel's PTX for sm_90a."""
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        report = subprocess.run(
+            [ptxas, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.devnull],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    found = re.search(r"(\d+) bytes spill stores", report.stdout + report.stderr)
+    assert found, "ptxas -v printed no spill figure"
+    return int(found.group(1))

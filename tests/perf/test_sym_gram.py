@@ -361,6 +361,7 @@ _COMPILE_FOR_H200 = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from tests.perf.compile_sm90 import assert_pipelined, spill_bytes
     from track_1_short.perf.kernels import sym_gram as k
 
     ints = ["s", "k_len", "x_batch_stride", "x_s_stride", "x_k_stride", "out_batch_stride", "out_row_stride",
@@ -377,7 +378,7 @@ _COMPILE_FOR_H200 = textwrap.dedent(
     for poly, unit, coef in variants:
         sig.update(b_coef=coef, c_coef=coef)
         consts = {unit: 1, "out_col_stride": 1, "POLY": poly, "WIDEN": False, "BLOCK": k.DEFAULT_BLOCK,
-                  "BLOCK_K": k.DEFAULT_BLOCK_K, "EVEN_K": True}
+                  "BLOCK_K": k.DEFAULT_BLOCK_K}
         aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in consts
                    and n not in ("b_coef", "c_coef")}
         src = ASTSource(fn=k._sym_gram_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
@@ -386,9 +387,8 @@ _COMPILE_FOR_H200 = textwrap.dedent(
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
         assert "wgmma" in compiled.asm["ptx"], ("no Hopper tensor-core instructions", poly, unit, coef)
         assert compiled.metadata.shared <= 232448, ("over an H100/H200 block's shared memory", poly, unit)
-        # Software-pipelined: the operand loads are cp.async copies into shared memory, stages deep.
-        copies = compiled.asm["ttgir"].count("async_copy_global_to_local")
-        assert copies >= 2 * (k.DEFAULT_NUM_STAGES - 1), ("operand loads not pipelined", poly, unit, copies)
+        assert_pipelined(compiled, k.DEFAULT_NUM_STAGES, poly, unit, coef)
+        assert spill_bytes(compiled) == 0, ("registers spilled", poly, unit, coef)
         built += 1
     print(f"compiled {built} variants")
     """

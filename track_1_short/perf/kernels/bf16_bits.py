@@ -23,28 +23,6 @@ def round_to_bf16_bits(x):
 
 
 @triton.jit
-def rounded_bf16(x, AS_BITS: tl.constexpr):
-    # fp32 -> the nearest-even bf16 value, widened back to fp32: in integer arithmetic (AS_BITS: the
-    # interpreter, whose conversion truncates) or by the GPU's own conversion (cvt.rn, fewer registers in a
-    # GEMM epilogue). The same value either way.
-    if AS_BITS:
-        value = widen_bf16(round_to_bf16_bits(x))
-    else:
-        value = x.to(tl.bfloat16).to(tl.float32)
-    return value
-
-
-@triton.jit
-def bf16_bits(x, AS_BITS: tl.constexpr):
-    # fp32 -> the bit pattern of its nearest-even bf16, as rounded_bf16 computes it.
-    if AS_BITS:
-        bits = round_to_bf16_bits(x)
-    else:
-        bits = x.to(tl.bfloat16).to(tl.int16, bitcast=True)
-    return bits
-
-
-@triton.jit
 def load_bf16(ptrs, mask, AS_BITS: tl.constexpr):
     # A bf16 tile: as int16 bits widened exactly to fp32 (AS_BITS: the interpreter, which has no numpy bf16),
     # or loaded as it is (the GPU: bf16 operands straight into tl.dot). One return for both branches: Triton

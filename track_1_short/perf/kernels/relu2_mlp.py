@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from track_1_short.perf.kernels.bf16_bits import bf16_bits, load_bf16, rounded_bf16, widen_bf16
+from track_1_short.perf.kernels.bf16_bits import load_bf16, round_to_bf16_bits, widen_bf16
 from track_1_short.perf.kernels.interpreter import check_device as _check_device
 from track_1_short.perf.kernels.interpreter import multiprocessors, runs_interpreted
 
@@ -73,7 +73,6 @@ def _linear_relu2_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0 (the model's D = 768 with every GPU tile)
 ):
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles = tl.cdiv(M, BLOCK_M) * tiles_n
@@ -91,34 +90,27 @@ def _linear_relu2_kernel(
         b_rows = b_ptr + rn[:, None] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                # No mask along the reduction: a load masked by the loop counter is not software-pipelined
-                # (no cp.async stages in the sm_90 build), which halves the kernel's GEMM rate.
-                a = load_bf16(a_rows + (k0 + rk)[None, :], m_ok[:, None], BITS)
-                b = load_bf16(b_rows + (k0 + rk)[None, :], n_ok[:, None], BITS)
-            else:
-                k_ok = (k0 + rk) < K
-                a = load_bf16(a_rows + (k0 + rk)[None, :], m_ok[:, None] & k_ok[None, :], BITS)
-                b = load_bf16(b_rows + (k0 + rk)[None, :], n_ok[:, None] & k_ok[None, :], BITS)
+            k_ok = (k0 + rk) < K
+            a = load_bf16(a_rows + (k0 + rk)[None, :], m_ok[:, None] & k_ok[None, :], BITS)
+            b = load_bf16(b_rows + (k0 + rk)[None, :], n_ok[:, None] & k_ok[None, :], BITS)
             acc = tl.dot(a, tl.trans(b), acc)
-        # The GEMM's bf16 output, as the reference's matmul rounds it (to nearest even), then the epilogue in
-        # fp32, rounded once.
-        g = rounded_bf16(acc, BITS)
+        # The GEMM's bf16 output, as the reference's matmul rounds it (to nearest even, in integer arithmetic:
+        # the interpreter's own conversion truncates), then the epilogue in fp32, rounded once.
+        g = widen_bf16(round_to_bf16_bits(acc))
         offs = tl.cast(rm, tl.int64)[:, None] * stride_om + rn[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
         if FORWARD:
             r = tl.maximum(g, 0.0)
-            tl.store(out_ptr + offs, bf16_bits(r * r, BITS), mask=mask)
+            tl.store(out_ptr + offs, round_to_bf16_bits(r * r), mask=mask)
         else:
             post = widen_bf16(tl.load(post_ptr + offs, mask=mask, other=0))
-            tl.store(out_ptr + offs, bf16_bits(2.0 * g * tl.sqrt_rn(post), BITS), mask=mask)
+            tl.store(out_ptr + offs, round_to_bf16_bits(2.0 * g * tl.sqrt_rn(post)), mask=mask)
 
 
 def autotuned(configs: list[triton.Config]):
     """The kernel behind an autotuner over ``configs`` (tiles, warps, stages), keyed on the GEMM's shape and
-    pass; EVEN_K follows from each config's BLOCK_K."""
-    even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
-    return triton.autotune(configs=configs, key=["M", "N", "K", "FORWARD"])(even_k(_linear_relu2_kernel))
+    pass."""
+    return triton.autotune(configs=configs, key=["M", "N", "K", "FORWARD"])(_linear_relu2_kernel)
 
 
 _linear_relu2_tuned = autotuned(
@@ -129,8 +121,7 @@ _linear_relu2_tuned = autotuned(
 )
 
 
-# Read once here: torch.compile cannot trace an isinstance test of a compiled Triton kernel, and the
-# device checks run inside compiled code.
+# Once, at import (runs_interpreted says why).
 _INTERPRETED = runs_interpreted(_linear_relu2_kernel)
 
 
@@ -192,8 +183,7 @@ def linear_relu2(
         kernel, launch = _linear_relu2_tuned, {}  # the tile comes from the autotuner
     else:
         size = block or BLOCK_INTERPRETER
-        launch = {"BLOCK_M": size, "BLOCK_N": size, "BLOCK_K": size, "EVEN_K": k % size == 0}
-        kernel = _linear_relu2_kernel
+        kernel, launch = _linear_relu2_kernel, {"BLOCK_M": size, "BLOCK_N": size, "BLOCK_K": size}
 
     def grid(meta):
         tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])

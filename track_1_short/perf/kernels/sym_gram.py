@@ -82,7 +82,6 @@ def _sym_gram_kernel(
     WIDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,  # k_len % BLOCK_K == 0 (every bank shape of the record with the default BLOCK_K)
 ):
     # Tile t of the upper triangle, numbered column by column: t = j (j + 1) / 2 + i with 0 <= i <= j. The
     # float square root may be off by one near a perfect square; the two corrections settle it.
@@ -101,17 +100,11 @@ def _sym_gram_kernel(
     cols_in = cols < s
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for k0 in range(0, k_len, BLOCK_K):
+        k_in = (k0 + ks) < k_len
         lhs_ptrs = x_base + rows[:, None] * x_s_stride + (k0 + ks)[None, :] * x_k_stride
         rhs_ptrs = x_base + (k0 + ks)[:, None] * x_k_stride + cols[None, :] * x_s_stride
-        if EVEN_K:
-            # No mask along the sum: a load masked by the loop counter is not software-pipelined (no cp.async
-            # stages in the sm_90 build).
-            lhs = load_bf16(lhs_ptrs, rows_in[:, None], WIDEN)
-            rhs = load_bf16(rhs_ptrs, cols_in[None, :], WIDEN)
-        else:
-            k_in = (k0 + ks) < k_len
-            lhs = load_bf16(lhs_ptrs, rows_in[:, None] & k_in[None, :], WIDEN)
-            rhs = load_bf16(rhs_ptrs, k_in[:, None] & cols_in[None, :], WIDEN)
+        lhs = load_bf16(lhs_ptrs, rows_in[:, None] & k_in[None, :], WIDEN)
+        rhs = load_bf16(rhs_ptrs, k_in[:, None] & cols_in[None, :], WIDEN)
         if WIDEN:
             acc = tl.dot(lhs, rhs, acc, input_precision="ieee")
         else:
@@ -138,8 +131,7 @@ def _sym_gram_kernel(
     tl.store(lower, mirrored, mask=mirror_in)
 
 
-# Read once here: torch.compile cannot trace an isinstance test of a compiled Triton kernel, and the
-# device checks run inside compiled code.
+# Once, at import (runs_interpreted says why).
 _INTERPRETED = runs_interpreted(_sym_gram_kernel)
 
 
@@ -206,7 +198,6 @@ def _launch(x, out, s, k_len, s_stride, k_stride, b_coef, c_coef, poly, block, b
         WIDEN=widen,
         BLOCK=block,
         BLOCK_K=block_k,
-        EVEN_K=k_len % block_k == 0,
         num_warps=warps,
         num_stages=stages,
     )
