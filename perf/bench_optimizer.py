@@ -5,6 +5,7 @@
     python perf/bench_optimizer.py --bank-update eager compiled --out /tmp/optimizer.json  # both arms
     python perf/bench_optimizer.py --bank-update eager triton --out /tmp/optimizer.json    # Triton kernels
     python perf/bench_optimizer.py --cascade-gram bmm triton --out /tmp/optimizer.json    # Gram kernels
+    python perf/bench_optimizer.py --bank-update triton --bank-graphs off on --out /tmp/o.json  # CUDA graphs
 
 The banks are the record's (reshape views): qk [48, 256, 768] (wide), vo [16, 768, 768] (square), mlp
 [24, 2816, 768] (tall, c_proj x2, two frozen matrices), bf16, random weights and gradients. ``--shapes small``
@@ -19,7 +20,9 @@ so the compiled arm times the graphs the optimizer made (track_1_short/perf/bank
 them, and the triton arm the kernels of track_1_short/perf/kernels/anvil_bank.py (the cascade stays torch
 there, so its ``cascade_ms`` is the eager cascade's):
 
-Arms are crossed with ``--cascade-gram`` (``optim.cascade_gram``: ``bmm``, ``triton``; default bmm): what
+Arms are crossed with ``--bank-graphs`` (``optim.bank_graphs``: ``off``, ``on``; default off): ``on``
+replays each bank's update from a CUDA graph (track_1_short/perf/bank_graphs.py), one launch a bank. Arms are
+also crossed with ``--cascade-gram`` (``optim.cascade_gram``: ``bmm``, ``triton``; default bmm): what
 computes the cascade's symmetric products (track_1_short/perf/kernels/sym_gram.py). Its arms time the same
 update with the Gram kernels in place of bmm/baddbmm; ``cascade_ms`` shows their effect on the cascade alone.
 
@@ -119,7 +122,26 @@ def copy_gbps(device: torch.device, numel: int, repeats: int = 5) -> float:
     return 2 * src.numel() * src.element_size() / (statistics.median(times) * 1e-3) / 1e9
 
 
-def build(banks: dict, device: torch.device, bank_update: str = "eager", cascade_gram: str = "bmm"):
+def graph_replay(fn: Callable[[], object], device: torch.device) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph (after one warm-up call on the capture stream); returns its replay."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    return graph.replay
+
+
+def build(
+    banks: dict,
+    device: torch.device,
+    bank_update: str = "eager",
+    cascade_gram: str = "bmm",
+    bank_graphs: bool = False,
+):
     gen = torch.Generator(device=device).manual_seed(0)
     named, table, grads = [], {}, {}
     for label, (shape, reshape, mults) in banks.items():
@@ -137,9 +159,8 @@ def build(banks: dict, device: torch.device, bank_update: str = "eager", cascade
         }
         grads[label] = torch.randn(shape, generator=gen, device=device).bfloat16()
     order = list(banks)
-    opt = AnvilAndAdam(
-        named, table, order, order, OptimConfig(bank_update=bank_update, cascade_gram=cascade_gram)
-    )
+    cfg = OptimConfig(bank_update=bank_update, cascade_gram=cascade_gram, bank_graphs=bank_graphs)
+    opt = AnvilAndAdam(named, table, order, order, cfg)
     opt.set_schedule(1.0, 0.93, 100)
     return named, opt, grads
 
@@ -153,8 +174,9 @@ def measure(
     gbps: float,
     bank_update: str = "eager",
     cascade_gram: str = "bmm",
+    bank_graphs: bool = False,
 ) -> list[dict]:
-    named, opt, grads = build(banks, device, bank_update, cascade_gram)
+    named, opt, grads = build(banks, device, bank_update, cascade_gram, bank_graphs)
     compiled = bank_update == "compiled"
     cascade = orthogonalize
     if compiled:
@@ -168,19 +190,18 @@ def measure(
         chunk, r, c = bank.grad.shape
         x = bank.grad.clone()
         extra = {}
-        if compiled or bank_update == "triton":  # the first call compiles: timed on its own, never in step_ms
+        # The first call compiles (and captures the graph): timed on its own, never in step_ms.
+        if compiled or bank_update == "triton" or bank_graphs:
             sync(device)
             t0 = time.perf_counter()
             bank.update()
             sync(device)
             extra["compile_s"] = time.perf_counter() - t0
         step_ms = time_ms(bank.update, device, steps, warmup)
-        cascade_ms = time_ms(
-            lambda x=x: cascade(x, opt.cfg.frobenius_margin, cascade_gram),
-            device,
-            steps,
-            max(warmup, 1 if compiled else 0),
-        )
+        run_cascade = lambda x=x: cascade(x, opt.cfg.frobenius_margin, cascade_gram)  # noqa: E731
+        if bank_graphs:  # the cascade alone as the arm runs it: replayed from a graph
+            run_cascade = graph_replay(run_cascade, device)
+        cascade_ms = time_ms(run_cascade, device, steps, max(warmup, 1 if compiled else 0))
         flops = cascade_flops(chunk, r, c)
         rows.append(
             {
@@ -188,6 +209,7 @@ def measure(
                 "bank_update": bank_update,
                 "matrices": f"{chunk} x {r} x {c}",
                 "cascade_gram": cascade_gram,
+                "bank_graphs": bank_graphs,
                 **extra,
                 "step_ms": step_ms,
                 "cascade_ms": cascade_ms,
@@ -214,6 +236,7 @@ def measure(
             "bank_update": bank_update,
             "matrices": "",
             "cascade_gram": cascade_gram,
+            "bank_graphs": bank_graphs,
             "step_ms": total_ms,
             "cascade_ms": total["cascade_ms"],
             "cascade_ms_floor": total["cascade_ms_floor"],
@@ -226,26 +249,39 @@ def measure(
 
 
 def add_vs_eager(rows: list[dict]) -> None:
-    """Give every row ``vs_eager`` (eager step_ms / its step_ms, same cascade_gram) when the eager arm was
-    measured, and ``vs_bmm`` (bmm step_ms / its step_ms, same bank_update) when both Gram routes were."""
-    eager = {(r["bank"], r["cascade_gram"]): r["step_ms"] for r in rows if r["bank_update"] == "eager"}
-    bmm = {(r["bank"], r["bank_update"]): r["step_ms"] for r in rows if r["cascade_gram"] == "bmm"}
+    """Give every row ``vs_eager`` (eager step_ms / its step_ms, same cascade_gram and bank_graphs) when the
+    eager arm was measured, ``vs_bmm`` (bmm step_ms / its step_ms, same bank_update and bank_graphs) when both
+    Gram routes were, and ``vs_ungraphed`` (the ungraphed arm's step_ms / its step_ms, same bank_update and
+    cascade_gram) when both bank_graphs settings were."""
+
+    def same(r: dict, *keys: str) -> tuple:
+        return (r["bank"], *(r[k] for k in keys))
+
+    eager = {
+        same(r, "cascade_gram", "bank_graphs"): r["step_ms"] for r in rows if r["bank_update"] == "eager"
+    }
+    bmm = {same(r, "bank_update", "bank_graphs"): r["step_ms"] for r in rows if r["cascade_gram"] == "bmm"}
+    plain = {same(r, "bank_update", "cascade_gram"): r["step_ms"] for r in rows if not r["bank_graphs"]}
     both_grams = len({r["cascade_gram"] for r in rows}) > 1
+    both_graphs = len({r["bank_graphs"] for r in rows}) > 1
     for r in rows:
-        if (r["bank"], r["cascade_gram"]) in eager:
-            r["vs_eager"] = eager[(r["bank"], r["cascade_gram"])] / r["step_ms"]
-        if both_grams and (r["bank"], r["bank_update"]) in bmm:
-            r["vs_bmm"] = bmm[(r["bank"], r["bank_update"])] / r["step_ms"]
+        if same(r, "cascade_gram", "bank_graphs") in eager:
+            r["vs_eager"] = eager[same(r, "cascade_gram", "bank_graphs")] / r["step_ms"]
+        if both_grams and same(r, "bank_update", "bank_graphs") in bmm:
+            r["vs_bmm"] = bmm[same(r, "bank_update", "bank_graphs")] / r["step_ms"]
+        if both_graphs and same(r, "bank_update", "cascade_gram") in plain:
+            r["vs_ungraphed"] = plain[same(r, "bank_update", "cascade_gram")] / r["step_ms"]
 
 
 def print_table(rows: list[dict]) -> None:
     print(
-        f"{'bank':<28}{'arm':>9}{'gram':>7}{'matrices':>18}{'step ms':>10}{'cascade':>10}{'floor':>9}"
-        f"{'rest':>10}{'floor':>9}"
+        f"{'bank':<28}{'arm':>9}{'gram':>7}{'graphs':>7}{'matrices':>18}{'step ms':>10}{'cascade':>10}"
+        f"{'floor':>9}{'rest':>10}{'floor':>9}"
     )
     for r in rows:
         print(
-            f"{r['bank']:<28}{r['bank_update']:>9}{r['cascade_gram']:>7}{r['matrices']:>18}"
+            f"{r['bank']:<28}{r['bank_update']:>9}{r['cascade_gram']:>7}"
+            f"{'on' if r['bank_graphs'] else 'off':>7}{r['matrices']:>18}"
             f"{r['step_ms']:>10.3f}{r['cascade_ms']:>10.3f}{r['cascade_ms_floor']:>9.3f}{r['rest_ms']:>10.3f}"
             f"{r['rest_ms_floor']:>9.3f}"
         )
@@ -273,6 +309,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="optim.cascade_gram arms, crossed with the bank_update arms (default: bmm)",
     )
+    parser.add_argument(
+        "--bank-graphs",
+        nargs="+",
+        choices=("off", "on"),
+        default=None,
+        help="optim.bank_graphs arms (on: each bank update replayed from a CUDA graph; CUDA only), crossed "
+        "with the others (default: off)",
+    )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -288,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
     if steps < 1 or warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0.")
+    graph_arms = [arm == "on" for arm in (args.bank_graphs or ["off"])]
+    if any(graph_arms) and not cuda:
+        parser.error("--bank-graphs on needs CUDA (CUDA graphs); use --bank-graphs off on the CPU.")
     n = args.matmul_size or (8192 if cuda else 512)
     banks = TRACK1_BANKS if shapes == "track1" else SMALL_BANKS
 
@@ -299,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         r
         for arm in arms
         for gram in grams
-        for r in measure(banks, device, steps, warmup, tflops, gbps, arm, gram)
+        for graphs in graph_arms
+        for r in measure(banks, device, steps, warmup, tflops, gbps, arm, gram, graphs)
     ]
     add_vs_eager(rows)
     rates = f"bf16 matmul {tflops:.2f} TFLOP/s, copy {gbps:.0f} GB/s"
@@ -312,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             "banks": shapes,
             "bank_update": arms,
             "cascade_gram": grams,
+            "bank_graphs": graph_arms,
             "timed_steps": steps,
             "matmul_tflops": tflops,
             "matmul_n": n,
@@ -327,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
                 "first call); vs_eager: the eager arm's step_ms over the row's",
                 "cascade_gram: optim.cascade_gram of the arm (triton: the symmetric Gram kernels); "
                 "vs_bmm: the bmm arm's step_ms over the row's",
+                "bank_graphs: optim.bank_graphs of the arm (each bank update replayed from a CUDA graph; "
+                "compile_s then includes the capture, and cascade_ms times the cascade replayed from a graph "
+                "too); vs_ungraphed: the ungraphed arm's step_ms over the row's",
             ],
         }
         write_bench_json(args.out, payload)

@@ -65,6 +65,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from track_1_short.perf.graph_check import same_bits
+
 # label, shape, dtype, betas, lr_mul, wd_mul: the record's replicated Adam tensors (upstream-optim notes 5).
 RECORD = [
     ("scalars", (24,), torch.float32, (0.9, 0.99), 5.0, 0.0),
@@ -555,13 +557,6 @@ def profile_counts(runner: Runner, count: int, device) -> dict:
         1 for e in events if e.name.startswith("aten::") and e.name not in NO_KERNEL_OPS and _outermost(e)
     )
     return {"launches": (aten + triton[0]) / count, "kernels": None}
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
-    if a.element_size() == 2:
-        return torch.equal(a.view(torch.int16), b.view(torch.int16))
-    return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def _us(value: float | str) -> float | str:

@@ -105,3 +105,27 @@ def test_the_triton_bank_update_arm_runs_on_the_cpu(tmp_path):
     assert [r["bank_update"] for r in rows] == ["eager"] * per_arm + ["triton"] * per_arm
     assert all(r["compile_s"] > 0 for r in rows[per_arm:-1])
     assert all(r["step_ms"] > 0 and "vs_eager" in r for r in rows[per_arm:])
+
+
+def test_the_bank_graphs_arm_is_refused_on_the_cpu_and_paired_with_the_ungraphed_one(tmp_path, capsys):
+    import pytest
+
+    bench = load_bench()
+    with pytest.raises(SystemExit):
+        run_small(bench, tmp_path, "--bank-graphs", "off", "on")
+    assert "--bank-graphs on needs CUDA" in capsys.readouterr().err
+    assert not (tmp_path / "optimizer.json").exists()
+    # vs_ungraphed pairs each graphed row with the ungraphed row of the same bank, update and Gram route.
+    rows = [
+        {"bank": b, "bank_update": u, "cascade_gram": "bmm", "bank_graphs": g, "step_ms": ms}
+        for b, u, g, ms in [
+            ("qk", "eager", False, 4.0),
+            ("qk", "triton", False, 3.0),
+            ("qk", "eager", True, 2.0),
+            ("qk", "triton", True, 1.0),
+        ]
+    ]
+    bench.add_vs_eager(rows)
+    assert [r["vs_ungraphed"] for r in rows] == [1.0, 1.0, 2.0, 3.0]
+    assert [r["vs_eager"] for r in rows] == [1.0, 4.0 / 3.0, 1.0, 2.0]
+    assert all("vs_bmm" not in r for r in rows)

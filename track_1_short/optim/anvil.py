@@ -37,7 +37,7 @@ to lm_head^T; ``split_embed()`` unties them, giving embed lm_head's moments, tra
 Provenance: the scatter/work-order design, ANVIL and the Adam arithmetic are those of the upstream track-1
 record "#360 (ANVIL2)" (modded-nanogpt ``track_1_short/optim/anvil.py``: ``AnvilAndAdam``, ``NorMuonAndAdam``
 before it). Differences: any world size (upstream: exactly 8), label-keyed world-size-portable state dicts
-(upstream: id() keyed), no CUDA graphs or row-sparse value-embedding path.
+(upstream: id() keyed), CUDA graphs per bank opt-in (``bank_graphs``), no row-sparse value-embedding path.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import torch
 
 from track_1_short import distributed
 from track_1_short.optim import adam as reference_adam
-from track_1_short.optim.anvil_bank import AnvilBank, scalar_row, scalars_size
+from track_1_short.optim.anvil_bank import AnvilBank, bank_update_, scalar_row, scalars_size
 from track_1_short.optim.param_config import (
     ParamConfig,
     ParamTableError,
@@ -136,6 +136,11 @@ class OptimConfig:
     rounding (tests/perf/test_sym_gram.py), not bitwise. "triton" needs CUDA, or Triton's interpreter on the
     CPU (TRITON_INTERPRET=1, which CPU runs and tests set); it works with either bank_update. Off by default
     until it is timed on a GPU: no measurement of it exists yet."""
+    bank_graphs: bool = False
+    """Capture each bank's update (whichever ``bank_update``) in a CUDA graph on its first step and replay it
+    afterwards: one launch a bank instead of 25 to 100 from Python (track_1_short/perf/bank_graphs.py). The
+    first step runs eagerly, is rewound, captured and replayed, and the graph is kept only if its bits equal
+    the eager run's; replays are bitwise the ungraphed update (tests/perf/test_bank_graphs.py). CUDA only."""
     adam_every: int = 2
     """Adam updates on steps with step % adam_every == adam_every - 1 (upstream: odd steps)."""
     value_embed_period4_start: int = 336
@@ -176,6 +181,8 @@ def validate_optim_config(cfg) -> None:
         raise ValueError(f"optim.scalar_upload={cfg.scalar_upload!r} must be one of {list(SCALAR_UPLOADS)}.")
     if cfg.bank_update not in BANK_UPDATES:
         raise ValueError(f"optim.bank_update={cfg.bank_update!r} must be one of {list(BANK_UPDATES)}.")
+    if not isinstance(cfg.bank_graphs, bool):
+        raise ValueError(f"optim.bank_graphs={cfg.bank_graphs!r} must be true or false.")
     if cfg.cascade_gram not in CASCADE_GRAMS:
         raise ValueError(f"optim.cascade_gram={cfg.cascade_gram!r} must be one of {list(CASCADE_GRAMS)}.")
     if cfg.adam_every < 1:
@@ -276,6 +283,11 @@ class AnvilAndAdam:
             from track_1_short.perf.kernels.sym_gram import check_device
 
             check_device(self.device, "optim.cascade_gram=triton")  # here, not at the first step
+        if bank_shards and cfg.bank_graphs:
+            from track_1_short.perf.bank_graphs import GraphedBankUpdate
+
+            # One wrapper for every bank: one capture stream and one memory pool, replayed in work order.
+            update_fn = GraphedBankUpdate(bank_update_ if update_fn is None else update_fn, self.device)
         for label, shards in bank_shards.items():
             c = self.param_cfgs[label]
             self.banks[label] = AnvilBank(

@@ -51,6 +51,7 @@ import torch
 
 from track_1_short import distributed
 from track_1_short.optim.adam import first_moment_correction, second_moment_correction
+from track_1_short.perf.graph_check import same_bits
 from track_1_short.perf.kernels import replicated_adam as kernels
 from track_1_short.perf.kernels.replicated_adam import STEP_INPUTS
 from track_1_short.perf.replicated_adam import (
@@ -375,7 +376,7 @@ class DeviceStep:
         if capture_reduce:
             self.reduce_graph.replay()
             differs = torch.tensor(
-                [float(not all(_same_bits(g.grad, r) for g, r in zip(self.groups, reduced)))],
+                [float(not all(same_bits(g.grad, r) for g, r in zip(self.groups, reduced)))],
                 device=self.owner.device,
             )
             distributed.all_reduce_max(differs)  # one decision on every rank: the collectives must match
@@ -395,7 +396,7 @@ class DeviceStep:
         names = ["table"] + [
             f"{g.dtype} {w}" for g in self.groups for w in ("param", "grad", "exp_avg", "exp_avg_sq")
         ]
-        differing = [name for name, a, b in zip(names, eager, replayed) if not _same_bits(a, b)]
+        differing = [name for name, a, b in zip(names, eager, replayed) if not same_bits(a, b)]
         if differing:
             self.reduce_graph = self.update_graph = None
             raise RuntimeError(
@@ -403,9 +404,3 @@ class DeviceStep:
                 f"{', '.join(differing)}; construct ReplicatedAdam with use_cuda_graphs=False"
             )
         self.graphs_trusted = True
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.reshape(-1), b.reshape(-1)
-    view = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.view(view), b.view(view))
