@@ -148,6 +148,36 @@ def test_master_step_kernel_is_bitwise_eager_given_the_same_scale(kind):
     assert torch.equal(mantissa[-2:], m0[-2:])
 
 
+def bf16_input_against_fp32_input(shape, device) -> tuple[bool, bool]:
+    """(lane power, master step) of kernels B and C fed the cascade's bf16 output, bitwise equal to the same
+    kernels fed its fp32 widening (the copy the triton update no longer makes)."""
+    red_dim = red_dim_of(shape)
+    gen = torch.Generator().manual_seed(4)
+    v = (torch.randn(shape, generator=gen) * 3).bfloat16().to(device)
+    v[-1] = 0
+    power = kernels.lane_power(v, red_dim)
+    same_power = power.dtype == torch.float32 and torch.equal(power, kernels.lane_power(v.float(), red_dim))
+    weight = (torch.randn(shape, generator=gen) * 0.02).bfloat16().to(device)
+    mantissa = torch.randint(0, 1 << 16, shape, generator=gen, dtype=torch.int32).to(torch.uint16).to(device)
+    slow = torch.randn(shape, generator=gen).to(device)
+    scale = (torch.rand(power.shape, generator=gen) + 0.5).to(device)
+    scalars = make_scalars(shape[0], 0, device)
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        w, m = weight.clone(), mantissa.clone()
+        kernels.master_step_(w, m, v.to(dtype), scale, slow, scalars, red_dim)
+        out[dtype] = (w.view(torch.int16), m.view(torch.int16))
+    same_step = all(torch.equal(a, b) for a, b in zip(out[torch.bfloat16], out[torch.float32]))
+    return same_power, same_step
+
+
+@pytest.mark.parametrize("kind", list(SHAPES))
+def test_kernels_read_the_bf16_cascade_output_as_its_exact_fp32_widening(kind):
+    assert bf16_input_against_fp32_input(SHAPES[kind], "cpu") == (True, True)
+    with pytest.raises(ValueError, match="lane_power: v is torch.float16; the kernel reads"):
+        kernels.lane_power(torch.zeros(SHAPES[kind], dtype=torch.float16), red_dim_of(SHAPES[kind]))
+
+
 def step_pair(shape, device, steps, seed=0, gram="bmm"):
     """Eager and Triton banks stepped side by side on the same gradients; before each step the Triton bank
     takes the eager one's master and lane energy (the rails are compared without that: they must stay
@@ -283,6 +313,12 @@ TRACK1 = {"qk_bank": (48, 256, 768), "vo_bank": (16, 768, 768), "mlp_bank": (24,
 
 @gpu
 @pytest.mark.parametrize("label", list(TRACK1))
+def test_on_cuda_the_kernels_read_the_bf16_cascade_output_as_its_exact_fp32_widening(label):
+    assert bf16_input_against_fp32_input(TRACK1[label], "cuda") == (True, True)
+
+
+@gpu
+@pytest.mark.parametrize("label", list(TRACK1))
 def test_on_cuda_the_kernels_agree_with_eager_at_the_track1_bank_shapes(label):
     # On the GPU kernel A uses the hardware fused multiply-add, which is what torch's CUDA lerp compiles to
     # (nvcc contracts its multiply-add), so the rails stay bitwise; u, and so the cascade's output, too. The
@@ -311,20 +347,28 @@ _COMPILE_FOR_H200 = textwrap.dedent(
           "slow_weight": "fp32"},
          [{"FMA_VIA_FP64": False, "BLOCK": k.ELEMENTWISE_BLOCK}], k.ELEMENTWISE_WARPS),
         (k._lane_power_kernel,
-         {"v_ptr": "*fp32", "power_ptr": "*fp32", "lanes": "i32", "length": "i32", "matrix_stride": "i32",
+         {"power_ptr": "*fp32", "lanes": "i32", "length": "i32", "matrix_stride": "i32",
           "lane_stride": "i32", "red_stride": "i32"},
-         [{"BLOCK_LANES": k.LANE_BLOCK, "BLOCK_R": k.REDUCE_BLOCK}], 4),
+         [{"V_BF16": bf16, "BLOCK_LANES": k.LANE_BLOCK, "BLOCK_R": k.REDUCE_BLOCK} for bf16 in (True, False)],
+         4),
         (k._master_step_kernel,
-         {"v_ptr": "*fp32", "scale_ptr": "*fp32", "slow_ptr": "*fp32", "weight_ptr": "*i16",
+         {"scale_ptr": "*fp32", "slow_ptr": "*fp32", "weight_ptr": "*i16",
           "mantissa_ptr": "*i16", "scalars_ptr": "*fp32", "n": "i32", "rows": "i32", "cols": "i32",
           "lanes": "i32"},
-         [{"LANES_ARE_ROWS": rows, "N_SCALARS": k._N_SCALARS, "BLOCK": k.ELEMENTWISE_BLOCK}
-          for rows in (True, False)], k.ELEMENTWISE_WARPS),
+         [{"LANES_ARE_ROWS": rows, "N_SCALARS": k._N_SCALARS, "V_BF16": bf16, "BLOCK": k.ELEMENTWISE_BLOCK}
+          for rows in (True, False) for bf16 in (True, False)], k.ELEMENTWISE_WARPS),
     ]
     count = 0
     for fn, sig, variants, warps in kernels:
         for consts in variants:
-            src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+            args = dict(sig)
+            if "V_BF16" in consts:  # the cascade output as bf16 bits (the update's route) or fp32
+                args = {"v_ptr": "*i16" if consts["V_BF16"] else "*fp32", **sig}
+            # Every parameter of the kernel is given: one missing would compile as None, silently.
+            missing = set(fn.arg_names) - set(args) - set(consts)
+            assert not missing, (fn.__name__, missing)
+            signature = {**args, **dict.fromkeys(consts, "constexpr")}
+            src = ASTSource(fn=fn, signature=signature, constexprs=consts)
             opts = {"num_warps": warps, "enable_fp_fusion": False}
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
             assert compiled.asm["cubin"], fn.__name__
@@ -338,4 +382,4 @@ def test_the_kernels_compile_for_the_h200_on_this_machine():
     # The interpreter runs the FMA_VIA_FP64 variant of the rails; the GPU's (tl.fma) and the other two kernels
     # are compiled here to sm_90 cubins with the wheel's own ptxas, as the trainer launches them.
     proc = compile_outside_the_interpreter(_COMPILE_FOR_H200)
-    assert proc.returncode == 0 and "compiled 4 kernels" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "compiled 7 kernels" in proc.stdout, proc.stderr[-3000:]

@@ -10,8 +10,10 @@ ops is a kernel reading and writing whole-bank tensors in global memory. The cas
 
 Why it should be faster: three passes over the bank instead of dozens. Kernel A (rails) reads the bf16
 gradient and both fp32 rails and writes the rails and the bf16 lookahead u, once each. Kernel B (lane power)
-reads the cascade's output V once. Kernel C (master step) reads V, the slow rail, the weight and the mantissa
-and writes weight and mantissa. The equaliser's per-lane arithmetic between B and C
+reads the cascade's bf16 output V once. Kernel C (master step) reads V, the slow rail, the weight and the
+mantissa and writes weight and mantissa. Both widen V to fp32 as they load it (exact), where the eager path
+writes an fp32 copy of V first: for the MLP bank's 52M elements that copy and the doubled reads were about
+0.5 GB of traffic a step. The equaliser's per-lane arithmetic between B and C
 (:func:`~track_1_short.optim.anvil_bank.lane_scale_`: energy EMA, gains, the two Frobenius norms) stays torch
 ops on [chunk, lanes] tensors (one value per lane: 1/256 of the bank or less at the track-1 shapes). Unlike
 ``"compiled"`` there is no torch.compile: each kernel is JIT-compiled by Triton on its first launch for a new
@@ -109,13 +111,14 @@ def _rails_kernel(
 
 @triton.jit
 def _lane_power_kernel(
-    v_ptr,  # [chunk, rows, cols] fp32, contiguous
+    v_ptr,  # [chunk, rows, cols] fp32, or the int16 bits of bf16 (V_BF16), contiguous
     power_ptr,  # [chunk, lanes] fp32 (output)
     lanes,
     length,  # elements per lane (the reduced side)
     matrix_stride,
     lane_stride,
     red_stride,
+    V_BF16: tl.constexpr,
     BLOCK_LANES: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
@@ -126,7 +129,11 @@ def _lane_power_kernel(
     acc = tl.zeros((BLOCK_LANES, BLOCK_R), dtype=tl.float32)
     for r0 in range(0, length, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
-        v = tl.load(base + r[None, :] * red_stride, mask=lane_in[:, None] & (r < length)[None, :], other=0.0)
+        in_bounds = lane_in[:, None] & (r < length)[None, :]
+        if V_BF16:  # widened exactly: the same fp32 values as a float() copy, without the copy
+            v = widen_bf16(tl.load(base + r[None, :] * red_stride, mask=in_bounds, other=0))
+        else:
+            v = tl.load(base + r[None, :] * red_stride, mask=in_bounds, other=0.0)
         acc += v * v
     power = tl.sum(acc, axis=1) / length  # the mean of v^2, as eager's sum then divide
     tl.store(power_ptr + matrix * lanes + lane, power, mask=lane_in)
@@ -134,7 +141,7 @@ def _lane_power_kernel(
 
 @triton.jit
 def _master_step_kernel(
-    v_ptr,  # [n] fp32 cascade output
+    v_ptr,  # [n] cascade output: fp32, or the int16 bits of bf16 (V_BF16)
     scale_ptr,  # [chunk, lanes] fp32 equaliser scale
     slow_ptr,  # [n] fp32 slow rail
     weight_ptr,  # [n] int16 bits of the bf16 weight (in place)
@@ -146,6 +153,7 @@ def _master_step_kernel(
     lanes,
     LANES_ARE_ROWS: tl.constexpr,
     N_SCALARS: tl.constexpr,
+    V_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -162,7 +170,11 @@ def _master_step_kernel(
     low = tl.load(mantissa_ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
     p32 = ((high << 16) | low).to(tl.float32, bitcast=True)
     slow = tl.load(slow_ptr + offs, mask=mask, other=0.0)
-    update = tl.load(v_ptr + offs, mask=mask, other=0.0) * scale  # the equalised v, rounded as eager's mul_
+    if V_BF16:
+        v = widen_bf16(tl.load(v_ptr + offs, mask=mask, other=0))
+    else:
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    update = v * scale  # the equalised v, rounded as eager's mul_
     aligned = (slow * p32) >= 0  # zero counts as aligned
     decay = tl.where(aligned, p32 * (eff_wd * eff_lr), 0.0)
     p32 = p32 - decay - update * eff_lr
@@ -230,10 +242,21 @@ def triton_bank_update_(
     check_device(grad.device)
     _check_operands(grad, weight, velocity, lane_energy, mantissa, scalars, red_dim)
     u = rails_(grad, velocity, scalars, slow_beta)
-    v = orthogonalize(u.bfloat16(), margin, gram).float().contiguous()
+    # Kernels B and C read the cascade's bf16 output and widen it as they load: no fp32 copy of V.
+    v = orthogonalize(u, margin, gram).contiguous()
     power = lane_power(v, red_dim)
     scale = lane_scale_(power, lane_energy, beta2, v.size(red_dim)).contiguous()
     master_step_(weight, mantissa, v, scale, velocity[1], scalars, red_dim)
+
+
+def _check_v(v: torch.Tensor, what: str) -> bool:
+    """Whether the cascade output ``v`` is bf16 (else fp32); anything else, or a strided ``v``, is refused."""
+    if v.dtype not in (torch.bfloat16, torch.float32) or not v.is_contiguous():
+        raise ValueError(
+            f"{what}: v is {v.dtype}{'' if v.is_contiguous() else ', not contiguous'}; the kernel reads a "
+            "contiguous bf16 or float32 cascade output."
+        )
+    return v.dtype == torch.bfloat16
 
 
 def rails_(
@@ -261,22 +284,25 @@ def rails_(
 
 
 def lane_power(v: torch.Tensor, red_dim: int) -> torch.Tensor:
-    """Kernel B: the mean of v^2 along ``red_dim`` of the contiguous fp32 ``v`` [chunk, rows, cols], shaped
-    like the lane energy (eager: ``v.square().mean(dim=red_dim, keepdim=True)``)."""
+    """Kernel B: the mean of v^2 along ``red_dim`` of the contiguous ``v`` [chunk, rows, cols] (fp32, or bf16
+    widened exactly as it is loaded), fp32, shaped like the lane energy (eager:
+    ``v.float().square().mean(dim=red_dim, keepdim=True)``)."""
     chunk, rows, cols = v.shape
     lanes_are_rows = red_dim == -1
     lanes, length = (rows, cols) if lanes_are_rows else (cols, rows)
     power = torch.empty(
-        (chunk, rows, 1) if lanes_are_rows else (chunk, 1, cols), dtype=v.dtype, device=v.device
+        (chunk, rows, 1) if lanes_are_rows else (chunk, 1, cols), dtype=torch.float32, device=v.device
     )
+    v_bf16 = _check_v(v, "lane_power")
     _lane_power_kernel[(chunk, triton.cdiv(lanes, LANE_BLOCK))](
-        v,
+        v.view(torch.int16) if v_bf16 else v,
         power,
         lanes,
         length,
         rows * cols,
         cols if lanes_are_rows else 1,
         1 if lanes_are_rows else cols,
+        V_BF16=v_bf16,
         BLOCK_LANES=LANE_BLOCK,
         BLOCK_R=REDUCE_BLOCK,
         enable_fp_fusion=False,
@@ -294,13 +320,15 @@ def master_step_(
     red_dim: int,
 ) -> None:
     """Kernel C: the sign-gated step of the master (bf16 ``weight``, uint16 ``mantissa``) by ``v * scale``
-    (``scale``: one value per lane, [chunk, rows, 1] for ``red_dim`` -1, else [chunk, 1, cols]), in place
-    (eager: ``sign_gated_step_(weight, mantissa, v * scale, slow, eff_lr, eff_wd)``)."""
+    (``v`` fp32, or bf16 widened exactly as it is loaded; ``scale``: one value per lane, [chunk, rows, 1] for
+    ``red_dim`` -1, else [chunk, 1, cols]), in place (eager: ``sign_gated_step_(weight, mantissa, v * scale,
+    slow, eff_lr, eff_wd)``)."""
     chunk, rows, cols = v.shape
     n = v.numel()
     lanes_are_rows = red_dim == -1
+    v_bf16 = _check_v(v, "master_step_")
     _master_step_kernel[(triton.cdiv(n, ELEMENTWISE_BLOCK),)](
-        v,
+        v.view(torch.int16) if v_bf16 else v,
         scale,
         slow,
         weight.view(torch.int16),
@@ -312,6 +340,7 @@ def master_step_(
         rows if lanes_are_rows else cols,
         LANES_ARE_ROWS=lanes_are_rows,
         N_SCALARS=_N_SCALARS,
+        V_BF16=v_bf16,
         BLOCK=ELEMENTWISE_BLOCK,
         enable_fp_fusion=False,
         num_warps=ELEMENTWISE_WARPS,
