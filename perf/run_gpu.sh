@@ -151,7 +151,8 @@ preset() {  # the one-GPU record preset through the trainer, then its figures (p
 
 # The opt-in fast paths, one arm each, measured against the defaults at stage 2 (about 50 s an arm, most of it
 # the arm's first compiled step), and the bank update the presets had before the Triton one.
-default_levers='mlp_fused=model.mlp_impl=fused
+default_levers='bank_graphs=optim.bank_graphs=true
+mlp_fused=model.mlp_impl=fused
 loss_grid2=model.loss_programs_per_sm=2
 gram_triton=optim.cascade_gram=triton
 bank_eager=optim.bank_update=eager'

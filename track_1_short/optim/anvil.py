@@ -128,7 +128,8 @@ class OptimConfig:
     opt-in until its CUDA agreement tests pass (two failed on their first H200 run). "triton": the phases
     outside the cascade as three Triton kernels (track_1_short/perf/kernels/anvil_bank.py; no torch.compile),
     the rails bitwise eager and the step within fp32 summation bounds (tests/perf/test_anvil_bank_triton.py);
-    it needs CUDA, or Triton's interpreter on the CPU. Unmeasured so far."""
+    it needs CUDA, or Triton's interpreter on the CPU. On an H100 it takes the track-1 banks' step from 10.48
+    to 5.79 ms (perf/RESULTS.md, optimizer_triton.json); the record presets use it."""
     cascade_gram: str = "bmm"
     """What computes the two symmetric products of each cascade round (the Gram A and b A + c A A): "bmm"
     (torch.bmm/baddbmm, the reference) or "triton" (track_1_short/perf/kernels/sym_gram.py: only the output
@@ -140,7 +141,9 @@ class OptimConfig:
     """Capture each bank's update (whichever ``bank_update``) in a CUDA graph on its first step and replay it
     afterwards: one launch a bank instead of 25 to 100 from Python (track_1_short/perf/bank_graphs.py). The
     first step runs eagerly, is rewound, captured and replayed, and the graph is kept only if its bits equal
-    the eager run's; replays are bitwise the ungraphed update (tests/perf/test_bank_graphs.py). CUDA only."""
+    the eager run's; replays are bitwise the ungraphed update (tests/perf/test_bank_graphs.py). CUDA only.
+    Off until measured: its GPU tests and its arm of perf/bench_optimizer.py (--bank-graphs off on) have not
+    run on a GPU yet."""
     adam_every: int = 2
     """Adam updates on steps with step % adam_every == adam_every - 1 (upstream: odd steps)."""
     value_embed_period4_start: int = 336
