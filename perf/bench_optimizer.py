@@ -20,6 +20,9 @@ so the compiled arm times the graphs the optimizer made (track_1_short/perf/bank
 them, and the triton arm the kernels of track_1_short/perf/kernels/anvil_bank.py (the cascade stays torch
 there, so its ``cascade_ms`` is the eager cascade's):
 
+``--top-kernels N`` (CUDA) profiles each bank's update: the GPU's busy share between its kernels, kernel time
+by class and the N costliest kernels (track_1_short/perf/kernel_profile.py, as perf/bench_train_step.py).
+
 Arms are crossed with ``--bank-graphs`` (``optim.bank_graphs``: ``off``, ``on``; default off): ``on``
 replays each bank's update from a CUDA graph (track_1_short/perf/bank_graphs.py), one launch a bank. Arms are
 also crossed with ``--cascade-gram`` (``optim.cascade_gram``: ``bmm``, ``triton``; default bmm): what
@@ -62,6 +65,7 @@ import torch
 from track_1_short.optim.anvil import BANK_UPDATES, CASCADE_GRAMS, AnvilAndAdam, OptimConfig
 from track_1_short.optim.polar_express import cascade_flops, orthogonalize
 from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
+from track_1_short.perf.kernel_profile import profile_device
 
 # label: (parameter shape, reshape, matrix_lr_mul), the record's banks (upstream-optim notes 3.1 and 3.5): mlp
 # matrices alternate c_fc (x1) and c_proj (x2); 14 and 15 (a deleted layer's MLP) are frozen.
@@ -77,6 +81,7 @@ SMALL_BANKS = {
     "vo_bank": ([4, 96, 96], [4, 96, 96], None),
     "mlp_bank": ([6, 2, 352, 96], [12, 352, 96], MLP_MULTS[:12]),
 }
+PROFILED_UPDATES = 5  # bank updates under the profiler per row with --top-kernels
 BYTES_PER_ELEMENT_FLOOR = (
     28  # the elementwise part's least traffic per bank element, see the module docstring
 )
@@ -175,6 +180,7 @@ def measure(
     bank_update: str = "eager",
     cascade_gram: str = "bmm",
     bank_graphs: bool = False,
+    top: int = 0,
 ) -> list[dict]:
     named, opt, grads = build(banks, device, bank_update, cascade_gram, bank_graphs)
     compiled = bank_update == "compiled"
@@ -202,6 +208,8 @@ def measure(
         if bank_graphs:  # the cascade alone as the arm runs it: replayed from a graph
             run_cascade = graph_replay(run_cascade, device)
         cascade_ms = time_ms(run_cascade, device, steps, max(warmup, 1 if compiled else 0))
+        if top:  # where the update's device time goes, and how busy the GPU is between its kernels
+            extra.update(profile_device(bank.update, PROFILED_UPDATES, top))
         flops = cascade_flops(chunk, r, c)
         rows.append(
             {
@@ -317,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
         help="optim.bank_graphs arms (on: each bank update replayed from a CUDA graph; CUDA only), crossed "
         "with the others (default: off)",
     )
+    parser.add_argument(
+        "--top-kernels",
+        type=int,
+        default=0,
+        help="CUDA: profile each bank's update and list its N costliest kernels (0: no profile)",
+    )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -335,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     graph_arms = [arm == "on" for arm in (args.bank_graphs or ["off"])]
     if any(graph_arms) and not cuda:
         parser.error("--bank-graphs on needs CUDA (CUDA graphs); use --bank-graphs off on the CPU.")
+    if args.top_kernels and not cuda:
+        parser.error("--top-kernels profiles CUDA kernels; leave it out on the CPU.")
     n = args.matmul_size or (8192 if cuda else 512)
     banks = TRACK1_BANKS if shapes == "track1" else SMALL_BANKS
 
@@ -347,12 +363,22 @@ def main(argv: list[str] | None = None) -> int:
         for arm in arms
         for gram in grams
         for graphs in graph_arms
-        for r in measure(banks, device, steps, warmup, tflops, gbps, arm, gram, graphs)
+        for r in measure(banks, device, steps, warmup, tflops, gbps, arm, gram, graphs, args.top_kernels)
     ]
     add_vs_eager(rows)
+    tables = {
+        f"{r['bank']}, {r['bank_update']}, {r['cascade_gram']}, graphs {'on' if r['bank_graphs'] else 'off'}"
+        ": top kernels per update": r.pop("top_kernels")
+        for r in rows
+        if r.get("top_kernels")
+    }
     rates = f"bf16 matmul {tflops:.2f} TFLOP/s, copy {gbps:.0f} GB/s"
     print(f"{device}, {shapes} banks, {steps} timed steps; {rates}")
     print_table(rows)
+    for title, table in tables.items():
+        print(title)
+        for k in table:
+            print(f"  {k['ms_per_step']:9.3f} ms {k['pct']:5.1f}% x{k['calls_per_step']:<6g} {k['kernel']}")
     if args.out:
         payload = {
             **bench_metadata(sys.argv if argv is None else ["perf/bench_optimizer.py", *argv], device),
@@ -366,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             "matmul_n": n,
             "copy_gbps": gbps,
             "rows": rows,
+            **({"tables": tables} if tables else {}),
             "notes": [
                 "cascade floor: the cascade's matmul FLOPs (plain matmuls) at this run's bf16 matmul rate",
                 f"rest floor: {BYTES_PER_ELEMENT_FLOOR} bytes per bank element at the copy rate of this run",
@@ -379,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
                 "bank_graphs: optim.bank_graphs of the arm (each bank update replayed from a CUDA graph; "
                 "compile_s then includes the capture, and cascade_ms times the cascade replayed from a graph "
                 "too); vs_ungraphed: the ungraphed arm's step_ms over the row's",
+                "with --top-kernels: gpu_busy_pct, the share of the profiled span the GPU was busy over "
+                f"{PROFILED_UPDATES} updates of the bank (idle gaps: the host launching), gemm_pct and "
+                "other_kernel_pct its kernel time by class, and a table of its costliest kernels",
             ],
         }
         write_bench_json(args.out, payload)

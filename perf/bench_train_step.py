@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import re
@@ -52,6 +51,7 @@ import torch
 from track_1_short import schedule
 from track_1_short.perf.bench_meta import REPO_ROOT, bench_metadata, write_bench_json
 from track_1_short.perf.frozen_gc import freeze_gc, restore_gc
+from track_1_short.perf.kernel_profile import profile_device
 
 DEFAULT_EXPERIMENT = "record_1gpu"  # the one-GPU record preset (CUDA)
 TINY_EXPERIMENT = "smoke_record"  # --tiny: the CPU smoke preset (tiny model, compact vocabulary)
@@ -147,98 +147,11 @@ class Timer:
         return [(t - self.events[0]) * 1e3 for t in self.events]
 
 
-# Kernel classes by lower-cased name, attention first (a fused attention template may also contain "mm").
-# cuBLAS/cuBLASLt kernels are named gemm/xmma/nvjet/cutlass; Inductor's matmul templates "triton_tem_..._mm_".
-ATTENTION_MARKERS = ("flash", "fmha", "attention", "attn", "flex")
-GEMM_MARKERS = ("gemm", "xmma", "nvjet", "cutlass", "cublas", "wgmma", "_mm_", "_bmm_", "addmm", "matmul")
-DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # chrome-trace categories of device work
-
-
-def kernel_class(name: str) -> str:
-    low = name.lower()
-    if any(m in low for m in ATTENTION_MARKERS):
-        return "attention"
-    if any(m in low for m in GEMM_MARKERS):
-        return "gemm"
-    return "other"
-
-
-def kernel_breakdown(trace_events: list[dict]) -> dict:
-    """From chrome-trace events: the device-busy share of the traced span and kernel time per class.
-
-    Busy time is the union of device intervals (overlapping streams count once); class shares are of the
-    summed device time. Percentages; None where the trace holds no device work.
-    """
-    device = [e for e in trace_events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
-    if not device:
-        return {"gpu_busy_pct": None, "gemm_pct": None, "attention_pct": None, "other_kernel_pct": None}
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device)
-    busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
-    for start, end in spans[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
-    total_span = spans[-1][1] - spans[0][0]
-    per_class = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
-    for e in device:
-        per_class[kernel_class(e["name"]) if e["cat"] == "kernel" else "other"] += float(e["dur"])
-    kernel_sum = sum(per_class.values())
-    pct = lambda x, of: 100.0 * x / of if of > 0 else None
-    return {
-        "gpu_busy_pct": pct(busy, total_span),
-        "gemm_pct": pct(per_class["gemm"], kernel_sum),
-        "attention_pct": pct(per_class["attention"], kernel_sum),
-        "other_kernel_pct": pct(per_class["other"], kernel_sum),
-    }
-
-
-def top_kernels(trace_events: list[dict], n: int, steps: int) -> list[dict]:
-    """The ``n`` kernels (by name) with the most summed device time in the trace, per step: calls, ms, share.
-
-    Names are cut to 90 characters (Inductor's fused-kernel names run long); the share is of all device time.
-    """
-    device = [e for e in trace_events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
-    total = sum(float(e["dur"]) for e in device)
-    per_name: dict[str, list[float]] = {}
-    for e in device:
-        name = e["name"] if e["cat"] == "kernel" else e["cat"]
-        acc = per_name.setdefault(name, [0.0, 0.0])
-        acc[0] += 1
-        acc[1] += float(e["dur"])
-    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:n]
-    return [
-        {
-            "kernel": name[:90],
-            "class": kernel_class(name),
-            "calls_per_step": calls / steps,
-            "ms_per_step": us / steps / 1e3,
-            "pct": 100.0 * us / total if total > 0 else None,
-        }
-        for name, (calls, us) in ranked
-    ]
-
-
 def profile_cycle(run_step, first_step: int, n_steps: int, top: int = 0) -> dict:
     """Kernel breakdown of ``n_steps`` consecutive steps under torch.profiler (device activity only); with
     ``top``, also the ``top`` costliest kernels under the key "top_kernels"."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for step in range(first_step, first_step + n_steps):
-            run_step(step, None)
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-    events = trace.get("traceEvents", [])
-    out = kernel_breakdown(events)
-    if top:
-        out["top_kernels"] = top_kernels(events, top, n_steps)
-    return out
+    steps = iter(range(first_step, first_step + n_steps))
+    return profile_device(lambda: run_step(next(steps), None), n_steps, top)
 
 
 def step_times(labels: list[str], marks: list[float], steps: int) -> list[tuple[float, float, float]]:

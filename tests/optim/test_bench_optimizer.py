@@ -129,3 +129,13 @@ def test_the_bank_graphs_arm_is_refused_on_the_cpu_and_paired_with_the_ungraphed
     assert [r["vs_ungraphed"] for r in rows] == [1.0, 1.0, 2.0, 3.0]
     assert [r["vs_eager"] for r in rows] == [1.0, 4.0 / 3.0, 1.0, 2.0]
     assert all("vs_bmm" not in r for r in rows)
+
+
+def test_top_kernels_is_refused_on_the_cpu_before_anything_is_measured(tmp_path, capsys, monkeypatch):
+    import pytest
+
+    bench = load_bench()
+    monkeypatch.setattr(bench, "measure", lambda *a, **k: pytest.fail("measured before the check"))
+    with pytest.raises(SystemExit):
+        run_small(bench, tmp_path, "--top-kernels", "5")
+    assert "--top-kernels profiles CUDA kernels" in capsys.readouterr().err
