@@ -8,7 +8,7 @@
 #         tests           python3 -m pytest -m gpu -q                      (log: pytest_gpu.log)
 #         replicated_adam perf/bench_replicated_adam.py -> perf/results/replicated_adam.json
 #         optimizer       perf/bench_optimizer.py --bank-update eager compiled triton --cascade-gram bmm triton \
-#                                                       --bank-graphs off on
+#                                                       --bank-graphs off on --top-kernels 12
 #                                                       -> perf/results/optimizer.json
 #         train_step      perf/bench_train_step.py      -> perf/results/train_step.json
 #                         (TRAIN_STEP_ARGS="optim.bank_update=triton" TRAIN_STEP_NAME=train_step_triton_bank:
@@ -118,7 +118,8 @@ bench() {  # name: perf/bench_<name>.py --out perf/results/<name>.json
   # bench_train_step.py times Trainer.train_step under experiment=record_1gpu (input checks off, as in a record).
   local args=()
   # Every bank-update route against every Gram route: the arms the optimizer's defaults are chosen from.
-  [[ $1 != optimizer ]] || args=(--bank-update eager compiled triton --cascade-gram bmm triton --bank-graphs off on)
+  [[ $1 != optimizer ]] || args=(--bank-update eager compiled triton --cascade-gram bmm triton --bank-graphs off on
+    --top-kernels 12)
   # The fused loss kernel's grids (model.loss_programs_per_sm): the default is chosen from these rows.
   [[ $1 != loss ]] || args=(--programs-per-sm 0 1 2 4)
   # TRAIN_STEP_ARGS is a list of Hydra overrides: split on spaces on purpose.
