@@ -6,6 +6,8 @@
 #                         (PRESET_ARGS="model.loss_impl=reference" PRESET_NAME=record_1gpu_loss_reference:
 #                         extra overrides, and the name of the run and its JSON, for a before/after pair)
 #         tests           python3 -m pytest -m gpu -q                      (log: pytest_gpu.log)
+#                         (GPU_TESTS="tests/perf/test_bank_graphs.py tests/optim": only those paths; the
+#                         whole GPU suite takes over 10 minutes on one H100, so split it where calls are capped)
 #         replicated_adam perf/bench_replicated_adam.py -> perf/results/replicated_adam.json
 #         optimizer       perf/bench_optimizer.py --bank-update eager compiled triton --cascade-gram bmm triton \
 #                                                       --bank-graphs off on --top-kernels 12
@@ -108,7 +110,9 @@ run_stage() {  # name command...: run it, report its time, remember a failure an
 }
 
 gpu_tests() {
-  python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$logs/pytest_gpu.log"
+  # GPU_TESTS is a list of test paths: split on spaces on purpose.
+  # shellcheck disable=SC2086
+  python3 -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-} 2>&1 | tee "$logs/pytest_gpu.log"
 }
 
 bench() {  # name: perf/bench_<name>.py --out perf/results/<name>.json
