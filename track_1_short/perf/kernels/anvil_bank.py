@@ -58,7 +58,7 @@ import triton.language as tl
 
 from track_1_short.optim.anvil_bank import _N_SCALARS, lane_scale_
 from track_1_short.optim.polar_express import orthogonalize
-from track_1_short.perf.kernels.bf16_bits import round_to_bf16_bits, widen_bf16
+from track_1_short.perf.kernels.bf16_bits import load_bf16, round_to_bf16_bits, widen_bf16
 from track_1_short.perf.kernels.interpreter import check_device as _check_device
 from track_1_short.perf.kernels.interpreter import runs_interpreted
 
@@ -129,11 +129,8 @@ def _lane_power_kernel(
     acc = tl.zeros((BLOCK_LANES, BLOCK_R), dtype=tl.float32)
     for r0 in range(0, length, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
-        in_bounds = lane_in[:, None] & (r < length)[None, :]
-        if V_BF16:  # widened exactly: the same fp32 values as a float() copy, without the copy
-            v = widen_bf16(tl.load(base + r[None, :] * red_stride, mask=in_bounds, other=0))
-        else:
-            v = tl.load(base + r[None, :] * red_stride, mask=in_bounds, other=0.0)
+        # bf16 widened exactly: the same fp32 values as a float() copy, without the copy.
+        v = load_bf16(base + r[None, :] * red_stride, lane_in[:, None] & (r < length)[None, :], V_BF16)
         acc += v * v
     power = tl.sum(acc, axis=1) / length  # the mean of v^2, as eager's sum then divide
     tl.store(power_ptr + matrix * lanes + lane, power, mask=lane_in)
@@ -170,11 +167,7 @@ def _master_step_kernel(
     low = tl.load(mantissa_ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
     p32 = ((high << 16) | low).to(tl.float32, bitcast=True)
     slow = tl.load(slow_ptr + offs, mask=mask, other=0.0)
-    if V_BF16:
-        v = widen_bf16(tl.load(v_ptr + offs, mask=mask, other=0))
-    else:
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    update = v * scale  # the equalised v, rounded as eager's mul_
+    update = load_bf16(v_ptr + offs, mask, V_BF16) * scale  # the equalised v, rounded as eager's mul_
     aligned = (slow * p32) >= 0  # zero counts as aligned
     decay = tl.where(aligned, p32 * (eff_wd * eff_lr), 0.0)
     p32 = p32 - decay - update * eff_lr

@@ -24,9 +24,10 @@ def round_to_bf16_bits(x):
 
 @triton.jit
 def load_bf16(ptrs, mask, AS_BITS: tl.constexpr):
-    # A bf16 tile: as int16 bits widened exactly to fp32 (AS_BITS: the interpreter, which has no numpy bf16),
-    # or loaded as it is (the GPU: bf16 operands straight into tl.dot). One return for both branches: Triton
-    # type-checks every return of a function, even under a constexpr branch not taken.
+    # A bf16 tile: as int16 bits widened exactly to fp32 (AS_BITS: the interpreter, which has no numpy bf16;
+    # or a bf16 tensor read where an fp32 one could be), or loaded as it is (the GPU: bf16 operands straight
+    # into tl.dot; an fp32 tensor). One return for both branches: Triton type-checks every return of a
+    # function, even under a constexpr branch not taken.
     if AS_BITS:
         tile = widen_bf16(tl.load(ptrs, mask=mask, other=0))
     else:
