@@ -65,7 +65,7 @@ import torch
 from track_1_short.optim.anvil import BANK_UPDATES, CASCADE_GRAMS, AnvilAndAdam, OptimConfig
 from track_1_short.optim.polar_express import cascade_flops, orthogonalize
 from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
-from track_1_short.perf.kernel_profile import profile_device
+from track_1_short.perf.kernel_profile import kernel_table_line, profile_device
 
 # label: (parameter shape, reshape, matrix_lr_mul), the record's banks (upstream-optim notes 3.1 and 3.5): mlp
 # matrices alternate c_fc (x1) and c_proj (x2); 14 and 15 (a deleted layer's MLP) are frozen.
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     for title, table in tables.items():
         print(title)
         for k in table:
-            print(f"  {k['ms_per_step']:9.3f} ms {k['pct']:5.1f}% x{k['calls_per_step']:<6g} {k['kernel']}")
+            print(kernel_table_line(k))
     if args.out:
         payload = {
             **bench_metadata(sys.argv if argv is None else ["perf/bench_optimizer.py", *argv], device),

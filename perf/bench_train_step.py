@@ -51,7 +51,7 @@ import torch
 from track_1_short import schedule
 from track_1_short.perf.bench_meta import REPO_ROOT, bench_metadata, write_bench_json
 from track_1_short.perf.frozen_gc import freeze_gc, restore_gc
-from track_1_short.perf.kernel_profile import profile_device
+from track_1_short.perf.kernel_profile import kernel_table_line, profile_device
 
 DEFAULT_EXPERIMENT = "record_1gpu"  # the one-GPU record preset (CUDA)
 TINY_EXPERIMENT = "smoke_record"  # --tiny: the CPU smoke preset (tiny model, compact vocabulary)
@@ -543,8 +543,7 @@ def main(argv: list[str] | None = None) -> dict:
     for title, table in tables.items():
         print(title)
         for k in table:
-            share = f"{k['ms_per_step']:9.3f} ms {k['pct']:5.1f}% x{k['calls_per_step']:<6g}"
-            print(f"  {share} {k['class']:9s} {k['kernel']}")
+            print(kernel_table_line(k))
 
     payload = {
         **meta,

@@ -61,6 +61,15 @@ def test_top_kernels_ranks_names_by_summed_device_time_per_step():
     assert [k["calls_per_step"] for k in top] == [1.0, 0.5]
     assert [k["ms_per_step"] for k in top] == pytest.approx([0.030, 0.0125])
     assert [k["pct"] for k in top] == pytest.approx([100 * 60 / 95, 100 * 25 / 95])  # of all 95 us
+    # The printed line both benches use: per-step ms, share, calls, class, name.
+    assert kernel_profile.kernel_table_line(top[0]).split() == [
+        "0.030",
+        "ms",
+        "63.2%",
+        "x1",
+        "gemm",
+        "sm90_xmma_gemm",
+    ]
     rest = kernel_profile.top_kernels(events, n=5, steps=1)
     assert rest[-1] == {"kernel": "gpu_memcpy", "class": "other", "calls_per_step": 2.0, "ms_per_step": 0.010,
                         "pct": pytest.approx(100 * 10 / 95)}  # fmt: skip

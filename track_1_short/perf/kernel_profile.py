@@ -88,6 +88,12 @@ def top_kernels(trace_events: list[dict], n: int, steps: int) -> list[dict]:
     ]
 
 
+def kernel_table_line(kernel: dict) -> str:
+    """One printed line of a :func:`top_kernels` entry: ms and share per step, calls, class, name."""
+    share = f"{kernel['ms_per_step']:9.3f} ms {kernel['pct']:5.1f}% x{kernel['calls_per_step']:<6g}"
+    return f"  {share} {kernel['class']:9s} {kernel['kernel']}"
+
+
 def device_trace(run: Callable[[], None], n: int) -> list[dict]:
     """Chrome-trace events of ``n`` calls of ``run`` under torch.profiler, device activity only (CUDA)."""
     from torch.profiler import ProfilerActivity, profile
