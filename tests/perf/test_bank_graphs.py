@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.optim import fake_model as fm
-from tests.optim.test_anvil import SPLIT_AT, assert_tree_equal, lr_multiplier, snapshot
+from tests.optim.test_anvil import SPLIT_AT, assert_tree_equal, run_steps, snapshot
 from tests.perf_scripts import load_perf_script
 from track_1_short.optim.anvil import AnvilAndAdam, OptimConfig
 from track_1_short.optim.anvil_bank import bank_update_
@@ -32,14 +32,10 @@ def build(bank_graphs: bool, bank_update: str = "eager", device: str = "cpu"):
 
 
 def run(named, opt, steps) -> None:
-    """The training loop's calls; the schedule changes every step, so the banks' scalars do too."""
+    """The training loop's calls (the schedule, so the banks' scalars, changes every step), on the
+    parameters' device."""
     device = next(p.device for _, p in named)
-    for s in steps:
-        if s == SPLIT_AT:
-            opt.split_embed()
-        opt.set_schedule(lr_multiplier(s), 0.85 + 0.01 * (s % 8), s)
-        fm.accumulate(named, {k: g.to(device) for k, g in fm.rank_grads(s).items()})
-        opt.step(do_adam=s % 2 == 1)
+    run_steps(named, opt, steps, lambda s: {k: g.to(device) for k, g in fm.rank_grads(s).items()})
 
 
 def bank_updates(steps) -> int:
