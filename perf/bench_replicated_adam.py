@@ -12,14 +12,14 @@ elements, bf16 and fp32, three beta pairs). Paths, each from the same initial va
 
 - ``per_param``: per parameter one async all_reduce(AVG) and one ``adam_update_`` (compiled on CUDA);
 - ``fused``: ``ReplicatedAdam(impl="fused")``: host table, one foreach copy, all_reduce and kernel per dtype;
-- ``device``: ``ReplicatedAdam(impl="device")``: device table, gradients accumulated in place and reduced from
-  their hooks, one kernel for every dtype, CUDA graphs on CUDA;
+- ``device``: ``ReplicatedAdam(impl="device")``: gradients gathered on the device through a table of their
+  addresses, device table, one kernel for every dtype, CUDA graphs on CUDA;
 - ``torch_adam``: ``torch.optim.Adam`` (fused=True on CUDA), one group per tensor, after per-parameter
   all_reduces; its arithmetic differs (no cautious decay), so it is timed, not compared.
 
-Method. One repetition of a path is its whole training-step share: arm, one backward that delivers precomputed
-gradients (a new scale each step) as fresh tensors, the way a model's backward does (a path's gradient hooks
-and in-place accumulation run inside it; its forward is built before the clock starts), the Adam step. The
+Method. One repetition of a path is its whole training-step share: one backward that delivers precomputed
+gradients (a new scale each step) as fresh tensors, the way a model's backward does (whatever a path hooks
+into the backward runs inside it; its forward is built before the clock starts), then the Adam step. The
 baseline ``backward_only`` is the same backward with the gradients dropped. Every round runs each path and the
 baseline once, in a fresh seeded order (A B A B ..., so drift and cache effects fall on all of them), with the
 garbage collector off. A path's step cost is the median over rounds of its repetition minus the baseline's of
@@ -35,15 +35,15 @@ backward), so CUDA events around it time the device's work, not the host's pace.
 - ``starved``: repetitions whose enqueue outlasted the spin kernel (their device time includes host time);
 - ``launches``: per step, host calls that launch GPU work (cudaLaunchKernel, cuLaunchKernel, cudaGraphLaunch,
   cudaMemcpyAsync, ...), the baseline's backward subtracted (profiler): what a path adds to the backward
-  counts (the device path's in-place accumulation). On the CPU: dispatched aten ops plus Triton launches,
+  counts. On the CPU: dispatched aten ops plus Triton launches,
   the calls that would be launches on a GPU;
 - ``kernels``: GPU kernels and copies executed per step, those inside CUDA graphs included, the baseline's
   subtracted likewise (None on CPU);
 - ``speedup``, ``vs_fused``: per_param's (fused's) host step cost over this path's;
 - ``bitwise``: after the run, parameters and moments equal the per_param path's bit for bit.
 
-``--phases`` adds a table: each path's host time per phase of a repetition (arm, the backward with its
-hooks, then ReplicatedAdam's launch_reduce, update and zero_grad, or the whole step), the median of as many
+``--phases`` adds a table: each path's host time per phase of a repetition (the backward, then
+ReplicatedAdam's launch_reduce, update and zero_grad, or the whole step), the median of as many
 more repetitions as rounds, nothing subtracted: where a path's step cost goes, not what it costs.
 
 At world size 1 the project's collectives are no-ops, so a one-process run measures everything but the
@@ -141,10 +141,10 @@ class Gradients:
     ``forward(params, step)`` builds, per parameter, ``(p * g).sum()`` with ``g`` the step's gradient and a
     ones seed per output; ``backward`` runs autograd through it. Each gradient then leaves a multiply as a
     fresh tensor that nothing else holds, as a model's backward hands it over: autograd takes it as .grad
-    when there is none and adds it in place into an existing .grad (the device path's zero-copy views pay
-    that add, as they do in training). Feeding the sets as ``grad_tensors`` of the parameters would make
-    autograd clone each one (the caller still holds it), a cost that a path accumulating in place skips:
-    the baseline would then charge every other path for it. The gradient is ``1 * g``: the same bits as g.
+    when there is none and adds it in place into an existing .grad. Feeding the sets as ``grad_tensors`` of
+    the parameters would make autograd clone each one (the caller still holds it), a cost that a path
+    accumulating in place would skip: the baseline would then charge every other path for it. The gradient
+    is ``1 * g``: the same bits as g.
     """
 
     def __init__(self, params, seed: int = 1, variants: int = 4):
@@ -174,9 +174,6 @@ class PerParam:
         self.params, self.cfgs, self.states = params, cfgs, states
         self.scalars = new_scalar_buffers()
 
-    def before_backward(self) -> None:
-        pass
-
     def step(self) -> None:
         from track_1_short import distributed
         from track_1_short.optim.adam import adam_update_
@@ -201,9 +198,6 @@ class Fused:
         from track_1_short.perf.replicated_adam import ReplicatedAdam
 
         self.opt = ReplicatedAdam(params, cfgs, states, device, impl=self.impl, block=block)
-
-    def before_backward(self) -> None:
-        self.opt.arm_reduce()
 
     def step(self) -> None:
         self.opt.launch_reduce()
@@ -239,9 +233,6 @@ class TorchAdam:
         cuda = device.type == "cuda"
         self.opt = torch.optim.Adam(groups, fused=True if cuda else None, foreach=None if cuda else False)
 
-    def before_backward(self) -> None:
-        pass
-
     def step(self) -> None:
         from track_1_short import distributed
 
@@ -261,9 +252,6 @@ class BackwardOnly:
 
     def __init__(self, params, cfgs, states, device, block):
         self.params = params
-
-    def before_backward(self) -> None:
-        pass
 
     def step(self) -> None:
         for p in self.params:
@@ -291,7 +279,7 @@ def sync(device: torch.device) -> None:
 
 
 class Runner:
-    """One repetition of a path: arm, the backward (the path's gradient hooks run in it), the Adam step.
+    """One repetition of a path: the backward (anything the path hooks into it runs in it), the Adam step.
 
     ``prepare()`` builds the repetition's forward graph; the timing loops call it before they start the
     clock, and a repetition that finds none prepared builds its own.
@@ -312,7 +300,6 @@ class Runner:
         self.grads.backward(outputs)
 
     def __call__(self) -> None:
-        self.path.before_backward()
         self.backward()
         self.path.step()
         self.step += 1
@@ -334,21 +321,19 @@ def collector_off():
 def phase_times(runner: Runner, count: int, device: torch.device) -> list[dict]:
     """Host microseconds of each phase of a repetition, the median of ``count`` (one row per phase).
 
-    Phases: "arm" (before the backward), "backward" (its gradient hooks included), then the path's step as
+    Phases: "backward" (whatever the path hooks into it included), then the path's step as
     its public calls where it has step_phases() (ReplicatedAdam: launch_reduce, update, zero_grad), else
     "step". Each repetition starts on an idle queue, as in interleaved_samples; no baseline is subtracted.
     """
     path = runner.path
     step = getattr(path, "step_phases", lambda: [("step", path.step)])()
-    names = ["arm", "backward", *(n for n, _ in step)]
+    names = ["backward", *(n for n, _ in step)]
     times = {n: np.empty(count) for n in names}
     with collector_off():
         for r in range(count):
             runner.prepare()
             sync(device)
             t = [time.perf_counter()]
-            path.before_backward()
-            t.append(time.perf_counter())
             runner.backward()
             t.append(time.perf_counter())
             for _, fn in step:
@@ -722,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--phases",
         action="store_true",
-        help="also time each phase of a repetition (arm, backward, and the step's public calls), per path",
+        help="also time each phase of a repetition (backward, and the step's public calls), per path",
     )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args(argv)

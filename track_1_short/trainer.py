@@ -268,7 +268,7 @@ class Trainer:
         # only the others (ANVIL's are cleared every step, so this is a guard, not a reset of saved state).
         for label, p in self.opt.params.items():
             if p.grad is not None and self.opt.param_cfgs[label].optim != "adam":
-                p.grad.zero_()  # in place: grads may be views of a flat buffer
+                p.grad.zero_()
         self.opt.assert_views_intact()
         self.step = int(payload["step"])
 
@@ -320,10 +320,7 @@ class Trainer:
         padded = list(plan.mtp_weights) + [0.0] * (self.mtp_width - len(plan.mtp_weights))
         mtp = torch.tensor(padded, dtype=torch.float32).to(self.device, non_blocking=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        for k in range(accum):
-            if plan.do_adam and k == accum - 1:
-                # optim.replicated_impl=device: the reduce starts from this, the last, backward
-                self.opt.arm_replicated_reduce()
+        for _ in range(accum):
             b = self.loader.next_batch(micro, plan.max_doc_len)
             cu = fixed_boundaries(b.cu_seqlens, micro)
             loss = self.forward(b.inputs, b.targets, cu, windows, mtp)

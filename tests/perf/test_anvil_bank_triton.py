@@ -148,15 +148,18 @@ def test_master_step_kernel_is_bitwise_eager_given_the_same_scale(kind):
     assert torch.equal(mantissa[-2:], m0[-2:])
 
 
-def bf16_input_against_fp32_input(shape, device) -> tuple[bool, bool]:
-    """(lane power, master step) of kernels B and C fed the cascade's bf16 output, bitwise equal to the same
-    kernels fed its fp32 widening (the copy the triton update no longer makes)."""
+def bf16_input_against_fp32_input(shape, device) -> tuple[float, bool]:
+    """Kernels B and C fed the cascade's bf16 output against the same kernels fed its fp32 widening (the copy
+    the triton update no longer makes): (the lane powers' largest relative difference, master step bitwise).
+    """
     red_dim = red_dim_of(shape)
     gen = torch.Generator().manual_seed(4)
     v = (torch.randn(shape, generator=gen) * 3).bfloat16().to(device)
     v[-1] = 0
     power = kernels.lane_power(v, red_dim)
-    same_power = power.dtype == torch.float32 and torch.equal(power, kernels.lane_power(v.float(), red_dim))
+    wide = kernels.lane_power(v.float(), red_dim)
+    assert power.dtype == torch.float32 and bool((wide[-1] == 0).all()) and bool((power[-1] == 0).all())
+    rel = ((power.double() - wide.double()).abs() / wide.double().clamp_min(1e-300)).max().item()
     weight = (torch.randn(shape, generator=gen) * 0.02).bfloat16().to(device)
     mantissa = torch.randint(0, 1 << 16, shape, generator=gen, dtype=torch.int32).to(torch.uint16).to(device)
     slow = torch.randn(shape, generator=gen).to(device)
@@ -168,12 +171,13 @@ def bf16_input_against_fp32_input(shape, device) -> tuple[bool, bool]:
         kernels.master_step_(w, m, v.to(dtype), scale, slow, scalars, red_dim)
         out[dtype] = (w.view(torch.int16), m.view(torch.int16))
     same_step = all(torch.equal(a, b) for a, b in zip(out[torch.bfloat16], out[torch.float32]))
-    return same_power, same_step
+    return rel, same_step
 
 
 @pytest.mark.parametrize("kind", list(SHAPES))
 def test_kernels_read_the_bf16_cascade_output_as_its_exact_fp32_widening(kind):
-    assert bf16_input_against_fp32_input(SHAPES[kind], "cpu") == (True, True)
+    # The interpreter sums in one order whatever the element width: the lane powers are equal too.
+    assert bf16_input_against_fp32_input(SHAPES[kind], "cpu") == (0.0, True)
     with pytest.raises(ValueError, match="lane_power: v is torch.float16; the kernel reads"):
         kernels.lane_power(torch.zeros(SHAPES[kind], dtype=torch.float16), red_dim_of(SHAPES[kind]))
 
@@ -313,8 +317,16 @@ TRACK1 = {"qk_bank": (48, 256, 768), "vo_bank": (16, 768, 768), "mlp_bank": (24,
 
 @gpu
 @pytest.mark.parametrize("label", list(TRACK1))
-def test_on_cuda_the_kernels_read_the_bf16_cascade_output_as_its_exact_fp32_widening(label):
-    assert bf16_input_against_fp32_input(TRACK1[label], "cuda") == (True, True)
+def test_on_cuda_kernel_c_reads_the_bf16_cascade_output_bitwise_and_b_within_its_summation_bound(label):
+    # The master step reads the same values either way: bitwise. The lane power's tl.sum reduces in an order
+    # set by the compiled layout, which follows the width of the loaded element (16-byte vectors hold 8 bf16
+    # or 4 fp32), so the two sum the same squares in different orders: within 2 (length - 1) u of each other
+    # (each within (length - 1) u of the exact sum of non-negative terms), plus the division's rounding.
+    shape = TRACK1[label]
+    length = shape[2] if red_dim_of(shape) == -1 else shape[1]
+    rel, same_step = bf16_input_against_fp32_input(shape, "cuda")
+    assert same_step, label
+    assert rel <= 2 * length * U, (label, rel, 2 * length * U)
 
 
 @gpu

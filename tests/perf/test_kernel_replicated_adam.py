@@ -333,3 +333,80 @@ def test_kernel_never_touches_memory_past_its_buffers(launch):
     assert not torch.equal(bits(group0[0]), bits(_flat(_case(torch.bfloat16, seed=6)[0][0])))  # it ran
     for k, (whole, tail) in enumerate(zip(wholes, tails)):
         assert_bitwise(whole[-CANARY:], tail, f"canary after buffer {k}")
+
+
+# ---- the gradient gather ----------------------------------------------------------------------------------
+
+
+def _gather_case(device="cpu"):
+    """Two flat buffers (bf16 segments 0, 2, 3; fp32 segments 1, 4), one parameter without a gradient (3), and
+    bf16 gradients holding every odd bit pattern (NaN payloads, -0.0, subnormals, infinities). The gradients
+    come back too: the addresses are only integers, and the caller must keep what they point to alive."""
+    gen = torch.Generator().manual_seed(40)
+    sizes = {0: 37, 1: 1, 2: 130, 3: 5, 4: 64}
+    grads = {
+        0: torch.randint(-(2**15), 2**15, (37,), generator=gen, dtype=torch.int16).view(torch.bfloat16),
+        1: torch.tensor([-0.0]),
+        2: torch.randint(-(2**15), 2**15, (130,), generator=gen, dtype=torch.int16).view(torch.bfloat16),
+        3: None,
+        4: torch.randn(64, generator=gen),
+    }
+    grads = {i: g.to(device) if g is not None else None for i, g in grads.items()}
+    members = {torch.bfloat16: [0, 2, 3], torch.float32: [1, 4]}
+    groups, starts = [], [0] * len(sizes)
+    for dtype, indices in members.items():
+        offset, segment = 0, []
+        for i in indices:
+            starts[i] = offset
+            offset += sizes[i]
+            segment += [i] * sizes[i]
+        flat = torch.full((offset,), float("nan"), dtype=dtype, device=device)
+        groups.append((flat, torch.tensor(segment, dtype=torch.int32, device=device)))
+    addresses = torch.tensor(
+        [0 if grads[i] is None else grads[i].data_ptr() for i in range(5)], device=device
+    )
+    starts = torch.tensor(starts, dtype=torch.int64, device=device)
+    expected = [
+        torch.cat(
+            [
+                grads[i] if grads[i] is not None else torch.zeros(sizes[i], dtype=d, device=device)
+                for i in indices
+            ]
+        )
+        for d, indices in members.items()
+    ]
+    return groups, addresses, starts, expected, grads
+
+
+def test_gather_copies_every_gradient_bit_for_bit_and_zeroes_a_missing_one_in_one_launch():
+    groups, addresses, starts, expected, _grads = _gather_case()
+    K.gather_grads_(groups, addresses, starts, block=BLOCK)
+    for (flat, _), want in zip(groups, expected):
+        assert torch.equal(bits(flat), bits(want))
+
+
+@pytest.mark.gpu
+def test_gather_copies_every_gradient_bit_for_bit_on_cuda():
+    groups, addresses, starts, expected, _grads = _gather_case("cuda")
+    K.gather_grads_(groups, addresses, starts)
+    torch.cuda.synchronize()
+    for (flat, _), want in zip(groups, expected):
+        assert torch.equal(bits(flat), bits(want))
+
+
+@pytest.mark.parametrize(
+    "corrupt, match",
+    [
+        (lambda g, a, s: ([(g[0][0].view(1, -1), g[0][1])], a, s), "contiguous 1-D bf16 or fp32"),
+        (lambda g, a, s: ([(g[0][0], g[0][1].long())], a, s), "segment must be a contiguous int32"),
+        (lambda g, a, s: (g, a.int(), s), "addresses must be a 1-D int64"),
+        (lambda g, a, s: (g, a, s[:3]), "one entry per parameter"),
+        (lambda g, a, s: (g * 2, a, s), "one or two groups"),
+    ],
+)
+def test_gather_refuses_bad_buffers_before_it_writes(corrupt, match):
+    groups, addresses, starts, _, _grads = _gather_case()
+    before = [bits(flat).clone() for flat, _ in groups]
+    with pytest.raises(ValueError, match=match):
+        K.gather_grads_(*corrupt(groups, addresses, starts))
+    assert all(torch.equal(bits(flat), b) for (flat, _), b in zip(groups, before))

@@ -1,4 +1,4 @@
-"""ReplicatedAdam(impl="device"): same bits as the other paths, device table, zero-copy gradients, guards.
+"""ReplicatedAdam(impl="device"): same bits as the other paths, device table, gathered gradients, guards.
 
 On the CPU the mode runs eagerly (Triton interpreter, gloo); the CUDA-graph tests are marked gpu.
 """
@@ -22,7 +22,6 @@ from track_1_short.optim.adam import first_moment_correction, second_moment_corr
 from track_1_short.perf import replicated_adam_device as dev
 from track_1_short.perf.kernels import replicated_adam as kernels
 from track_1_short.perf.replicated_adam import (
-    FlatViewError,
     ReplicatedAdam,
     ReplicatedAdamError,
     adam_scalar_table,
@@ -43,8 +42,6 @@ class Trainer:
         loss.backward()
 
     def train_step(self, weights, missing, do_adam):
-        if do_adam and self.opt is not None:
-            self.opt.arm_reduce()
         self.backward(weights, missing)
         if not do_adam:
             return
@@ -250,117 +247,94 @@ def test_correction_tables_reach_exactly_one_and_stay_there(beta):
         assert len(table) <= dev.correction_length(beta)
 
 
-# ---- zero-copy gradients and the hook -------------------------------------------------------------------
+# ---- the gather -----------------------------------------------------------------------------------------
 
 
-def test_every_grad_is_a_view_into_its_flat_buffer_and_backward_accumulates_there():
+def test_gradients_stay_where_autograd_puts_them_and_the_gather_copies_their_bits_zeros_if_missing():
     (trainer,) = _trainers(seed=7, impls=("device",))
     opt = trainer.opt
-    views = [p.grad for p in trainer.params]
+    assert all(p.grad is None for p in trainer.params)  # construction leaves .grad alone
+    gen = torch.Generator().manual_seed(8)
+    trainer.backward(_weights(trainer.params, gen), missing={3})
+    trainer.backward(_weights(trainer.params, gen), missing={3})  # autograd accumulates, as for "fused"
+    buffers = [
+        (g.grad.data_ptr(), g.grad.data_ptr() + g.grad.numel() * g.grad.element_size()) for g in opt.groups
+    ]
+    for i, p in enumerate(trainer.params):
+        if i != 3:
+            assert not any(lo <= p.grad.data_ptr() < hi for lo, hi in buffers), (
+                f"grad {i} is in a flat buffer"
+            )
+    for group in opt.groups:
+        group.grad.fill_(float("nan"))  # whatever the gather does not write stays NaN
+    expected = [p.grad.clone() if p.grad is not None else None for p in trainer.params]
+    opt.launch_reduce()  # one process: the all_reduce leaves the gathered values as they are
+    assert opt._device_mode.arrived == [i != 3 for i in range(len(trainer.params))]
     for group in opt.groups:
         for k, i in enumerate(group.indices):
-            assert views[i].data_ptr() == group.grad[group.span(k)].data_ptr()
-    gen = torch.Generator().manual_seed(8)
-    w1, w2 = _weights(trainer.params, gen), _weights(trainer.params, gen)
-    trainer.backward(w1)
-    trainer.backward(w2)
-    for i, p in enumerate(trainer.params):
-        assert p.grad is views[i]
-        expected = (w1[i].to(p.dtype) + w2[i].to(p.dtype)) if p.dtype == torch.bfloat16 else w1[i] + w2[i]
-        assert_bitwise(p.grad, expected, f"accumulated grad {i}")
+            got = group.grad[group.span(k)]
+            if i == 3:
+                assert_bitwise(got, torch.zeros_like(got), "missing gradient's slice")
+            else:
+                assert_bitwise(got, expected[i].reshape(-1), f"gathered grad {i}")
+    opt.update()
+    assert [s["step"] for s in trainer.states] == [0 if i == 3 else 1 for i in range(len(trainer.params))]
 
 
-def _count_reduces(monkeypatch):
-    calls = []
-    original = distributed.all_reduce_avg
-
-    def counting(tensor, async_op=False):
-        calls.append(tensor.data_ptr())
-        return original(tensor, async_op=async_op)
-
-    monkeypatch.setattr(dev.distributed, "all_reduce_avg", counting)
-    return calls
-
-
-def test_armed_reduce_starts_inside_backward_when_the_last_gradient_arrives(monkeypatch):
-    (trainer,) = _trainers(seed=9, impls=("device",))
-    calls = _count_reduces(monkeypatch)
-    gen = torch.Generator().manual_seed(10)
-    trainer.backward(_weights(trainer.params, gen))  # not armed: a non-Adam step accumulates
-    assert calls == []
-    trainer.opt.arm_reduce()
-    trainer.backward(_weights(trainer.params, gen))
-    assert sorted(calls) == sorted(
-        g.grad.data_ptr() for g in trainer.opt.groups
-    )  # one per dtype, in backward
-    trainer.opt.launch_reduce()  # already launched by the hook: no second reduce
-    assert len(calls) == len(trainer.opt.groups)
-    trainer.opt.update()
-    assert all(torch.count_nonzero(g.grad) == 0 for g in trainer.opt.groups)  # the kernel cleared them
-
-
-def test_with_a_gradient_missing_the_reduce_waits_for_launch_reduce(monkeypatch):
-    (trainer,) = _trainers(seed=11, impls=("device",))
-    calls = _count_reduces(monkeypatch)
-    trainer.opt.arm_reduce()
-    trainer.backward(_weights(trainer.params, torch.Generator().manual_seed(12)), missing={3})
-    assert calls == []
-    trainer.opt.launch_reduce()
-    assert len(calls) == len(trainer.opt.groups)
-
-
-@pytest.mark.parametrize("replace", ["new tensor", "none"])
-def test_guard_fires_at_the_next_gradient_when_grad_is_replaced(replace):
-    (trainer,) = _trainers(seed=13, impls=("device",))
-    p = trainer.params[5]
-    p.grad = torch.zeros_like(p) if replace == "new tensor" else None
-    with pytest.raises(FlatViewError, match=r"parameter 5 \(mudd_w1\): \.grad was replaced or dropped"):
-        trainer.opt.assert_views_intact()
-    with pytest.raises(FlatViewError, match=r"parameter 5 \(mudd_w1\)"):
-        trainer.backward(_weights(trainer.params, torch.Generator().manual_seed(14)))
-
-
-def test_guard_fires_at_launch_reduce_when_grad_is_replaced_after_backward():
-    (trainer,) = _trainers(seed=15, impls=("device",))
-    trainer.backward(_weights(trainer.params, torch.Generator().manual_seed(16)))
-    trainer.params[0].grad = trainer.params[0].grad.clone()
-    with pytest.raises(FlatViewError, match=r"parameter 0 \(scalars\)"):
-        trainer.opt.launch_reduce()
-
-
-def test_zero_grad_zeroes_the_buffers_and_keeps_the_views():
-    (trainer,) = _trainers(seed=17, impls=("device",))
-    views = [p.grad for p in trainer.params]
-    trainer.backward(_weights(trainer.params, torch.Generator().manual_seed(18)))
-    assert all(torch.count_nonzero(g.grad) > 0 for g in trainer.opt.groups)
-    trainer.opt.zero_grad()
-    assert all(p.grad is v for p, v in zip(trainer.params, views))
-    assert all(torch.count_nonzero(g.grad) == 0 for g in trainer.opt.groups)
-    assert trainer.opt.owns_grads
-
-
-def test_a_gradient_present_at_construction_is_kept_in_its_view_and_counts_as_active():
+def test_a_gradient_present_at_construction_is_gathered_and_counts_as_active():
     params, cfgs, states = make_inventory(seed=19)
     grads = [torch.full(p.shape, 0.5).to(p.dtype) for p in params]
     for p, g in zip(params, grads):
         p.grad = g
     opt = ReplicatedAdam(params, cfgs, states, "cpu", impl="device")
-    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+    assert all(p.grad is g for p, g in zip(params, grads))
     opt.launch_reduce()
+    for group in opt.groups:
+        assert torch.all(group.grad == 0.5)
     opt.update()
     assert all(s["step"] == 1 for s in states)
 
 
-# ---- call order and bad input ---------------------------------------------------------------------------
-
-
-def test_a_gradient_after_the_reduce_started_is_rejected():
-    (trainer,) = _trainers(seed=20, impls=("device",))
+def test_a_gradient_that_arrives_after_launch_reduce_waits_for_the_next_step_as_in_the_fused_path():
+    fused, device = _trainers(seed=20, impls=("fused", "device"))
     gen = torch.Generator().manual_seed(21)
-    trainer.backward(_weights(trainer.params, gen))
-    trainer.opt.launch_reduce()
-    with pytest.raises(ReplicatedAdamError, match="after the replicated all_reduce started"):
-        trainer.backward(_weights(trainer.params, gen))
+    first, late, third = (_weights(fused.params, gen) for _ in range(3))
+    for t in (fused, device):
+        t.backward(first)
+        t.opt.launch_reduce()
+        t.backward(late)  # accumulates into .grad after the gather: not part of this update
+        t.opt.update()
+        t.backward(third)  # the next step's gradient is late + third
+        t.opt.launch_reduce()
+        t.opt.update()
+        t.opt.zero_grad()
+    _assert_same(device, fused)
+
+
+def test_zero_grad_drops_every_gradient():
+    (trainer,) = _trainers(seed=17, impls=("device",))
+    trainer.backward(_weights(trainer.params, torch.Generator().manual_seed(18)))
+    trainer.opt.zero_grad()
+    assert all(p.grad is None for p in trainer.params)
+
+
+def test_a_non_contiguous_gradient_is_refused_naming_the_parameter_before_anything_is_written():
+    (trainer,) = _trainers(seed=15, impls=("device",))
+    opt = trainer.opt
+    trainer.backward(_weights(trainer.params, torch.Generator().manual_seed(16)))
+    p = trainer.params[3]  # post_lambdas, [11, 2]
+    p.grad = torch.randn(2, 11).t()
+    before = [g.grad.clone() for g in opt.groups]
+    with pytest.raises(ValueError, match=r"parameter 3 \(post_lambdas\): \.grad is not contiguous"):
+        opt.launch_reduce()
+    for group, grad in zip(opt.groups, before):
+        assert_bitwise(group.grad, grad, "flat gradients after the refusal")
+    p.grad = p.grad.contiguous()  # the fix the message names; the step then runs
+    opt.launch_reduce()
+    opt.update()
+
+
+# ---- call order and bad input ---------------------------------------------------------------------------
 
 
 def test_call_order_errors_name_the_call():
@@ -370,21 +344,8 @@ def test_call_order_errors_name_the_call():
     trainer.opt.launch_reduce()
     with pytest.raises(ReplicatedAdamError, match=r"launch_reduce\(\) called twice"):
         trainer.opt.launch_reduce()
-    with pytest.raises(ReplicatedAdamError, match=r"arm_reduce\(\) called while a reduce is pending"):
-        trainer.opt.arm_reduce()
     with pytest.raises(ReplicatedAdamError, match=r"zero_grad\(\) called between"):
         trainer.opt.zero_grad()
-
-
-def test_a_parameter_that_is_not_a_grad_leaf_is_rejected_before_anything_changes():
-    params, cfgs, states = make_inventory(seed=23)
-    params[2].requires_grad_(False)
-    addresses = [p.data_ptr() for p in params]
-    with pytest.raises(
-        ValueError, match=r"parameter 2 \(ve_gate_bank\): impl='device' needs leaf parameters"
-    ):
-        ReplicatedAdam(params, cfgs, states, "cpu", impl="device")
-    assert [p.data_ptr() for p in params] == addresses and all(p.grad is None for p in params)
 
 
 def test_a_beta_too_close_to_one_for_the_correction_table_is_rejected():
@@ -405,8 +366,6 @@ def _cuda_pair(seed):
 
 
 def _cuda_step(opt, weights, do_adam):
-    if do_adam:
-        opt.arm_reduce()
     loss = sum((p.float() * w).sum() for p, w in zip(opt.params, weights))
     loss.backward()
     if do_adam:
@@ -423,7 +382,8 @@ def test_cuda_graph_mode_equals_the_fused_path_bitwise_over_a_hundred_adam_steps
         weights = [w.cuda() for w in _weights(fused.params, gen)]
         _cuda_step(fused, weights, step % 2 == 1)
         _cuda_step(device, weights, step % 2 == 1)
-    assert device._device_mode.graphs_trusted and device._device_mode.update_graph is not None
+    mode = device._device_mode
+    assert mode.graphs_trusted and mode.update_graph is not None and mode.gather_graph is not None
     torch.cuda.synchronize()
     for i, (a, b) in enumerate(zip(device.params, fused.params)):
         assert_bitwise(a, b, f"param {i}")
@@ -448,6 +408,49 @@ def test_cuda_graph_that_disagrees_with_the_eager_step_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match="CUDA graph of the replicated Adam step disagrees"):
         _cuda_step(device, weights, do_adam=True)
     assert not step.graphs_trusted
+
+
+@pytest.mark.gpu
+def test_gather_graph_that_disagrees_with_the_eager_gather_is_refused(monkeypatch):
+    _, device = _cuda_pair(seed=32)
+    step = device._device_mode
+    original = step._gather
+    calls = [0]
+
+    def eager_then_wrong():
+        original()
+        calls[0] += 1
+        if calls[0] == 2:  # inside the capture: the graph writes one more value than the eager gather did
+            device.groups[0].grad.add_(1.0)
+
+    monkeypatch.setattr(step, "_gather", eager_then_wrong)
+    weights = [w.cuda() for w in _weights(device.params, torch.Generator().manual_seed(33))]
+    with pytest.raises(RuntimeError, match="CUDA graph of the replicated gradient gather disagrees"):
+        _cuda_step(device, weights, do_adam=True)
+    assert step.gather_graph is None
+
+
+@pytest.mark.gpu
+def test_gradients_dropped_right_after_launch_reduce_and_their_memory_reused_give_the_fused_bits():
+    # The gather runs late (behind a spin kernel) while the host drops every .grad and fills new tensors of
+    # the same sizes with NaN: the caching allocator may hand the freed blocks straight back, and only stream
+    # order keeps the gather reading the gradients rather than the NaNs.
+    fused, device = _cuda_pair(seed=30)
+    gen = torch.Generator().manual_seed(31)
+    for _ in range(6):
+        weights = [w.cuda() for w in _weights(fused.params, gen)]
+        _cuda_step(fused, weights, do_adam=True)
+        sum((p.float() * w).sum() for p, w in zip(device.params, weights)).backward()
+        torch.cuda._sleep(20_000_000)
+        device.launch_reduce()
+        for p in device.params:
+            p.grad = None
+        junk = [torch.full_like(p, float("nan")) for p in device.params]
+        device.update()
+        del junk
+    torch.cuda.synchronize()
+    for i, (a, b) in enumerate(zip(device.params, fused.params)):
+        assert_bitwise(a, b, f"param {i}")
 
 
 def _nccl_child(rank, world_size, init_file, steps, queue):

@@ -316,7 +316,6 @@ class AnvilAndAdam:
                 self.device,
                 impl=cfg.replicated_impl,
             )
-        self._replicated_set = set(self.replicated_labels)
         # value_embeds' table betas and wd_mul, which set_schedule squares / doubles on the long cadence, and
         # the Adam labels whose update waits for a later Adam step (their gradient keeps accumulating).
         ve = self.param_cfgs.get("value_embeds")
@@ -456,23 +455,10 @@ class AnvilAndAdam:
         if do_adam and self._fused is not None:
             self._fused.zero_grad()
 
-    def _owns_grad(self, label: str) -> bool:
-        return self._fused is not None and self._fused.owns_grads and label in self._replicated_set
-
     def zero_grad(self) -> None:
-        """Drop every gradient (a skipped step): .grad = None, or zeros where the device mode owns them."""
-        for label, p in self.params.items():
-            if not self._owns_grad(label):
-                p.grad = None
-        if self._fused is not None:
-            self._fused.zero_grad()
-
-    def arm_replicated_reduce(self) -> None:
-        """Before the last backward of an Adam step: the device mode starts the replicated all_reduce from the
-        gradient hooks of that backward (overlap). A no-op for the other modes; without it the reduce starts
-        in step()'s Phase 0, with the same result."""
-        if self._fused is not None:
-            self._fused.arm_reduce()
+        """Drop every gradient (a skipped step): .grad = None."""
+        for p in self.params.values():
+            p.grad = None
 
     def _launch_replicated_reduce(self) -> None:
         if self._fused is not None:
@@ -553,11 +539,6 @@ class AnvilAndAdam:
             if self.param_cfgs[label].optim == "adam" and p.grad is not None:
                 grad = p.grad.detach().clone()
                 distributed.all_reduce_avg(grad).wait()
-                # The device mode's gradients are views into its flat buffer, which zero_grad zeroes where
-                # the other paths set None: all zeros there is nothing pending (loading restores the zeros),
-                # so both save the same state. Decided after the reduce: the same on every rank.
-                if self._owns_grad(label) and not grad.any():
-                    continue
                 pending[label] = grad.cpu()
         return {"format": STATE_FORMAT, "tied": self.tied, "params": params, "pending_grads": pending}
 
@@ -646,9 +627,7 @@ class AnvilAndAdam:
             if self.param_cfgs[label].optim != "adam":
                 continue
             grad = sd["pending_grads"].get(label)
-            if grad is None and self._owns_grad(label):
-                p.grad.zero_()  # a view into the device mode's flat gradient buffer: keep it
-            elif grad is None:
+            if grad is None:
                 p.grad = None
             elif p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
                 p.grad.copy_(grad)

@@ -13,7 +13,8 @@ and uploaded once per step, and each launch replays the compiled kernel bound to
 (kernels.BoundLaunch) instead of going through Triton's JIT binder. Upstream measured about 7.5x fewer
 microseconds per step than the per-parameter path on an H200 for the 13-tensor set;
 perf/bench_replicated_adam.py measures ours (perf/RESULTS.md). impl="device"
-(perf/replicated_adam_device.py) moves the table to the device and replays the step as CUDA graphs.
+(perf/replicated_adam_device.py) gathers the gradients and builds the table on the device, and replays the
+step as CUDA graphs.
 
 Invariants (each tested in tests/perf/test_replicated_adam.py):
 1. After construction every parameter's .data and its exp_avg / exp_avg_sq are views into the flat buffers,
@@ -67,7 +68,7 @@ class ReplicatedAdamError(RuntimeError):
 
 
 class FlatViewError(ReplicatedAdamError):
-    """A parameter's .data, a moment or (impl="device") a .grad no longer points into its flat buffer."""
+    """A parameter's .data or a moment no longer points into its flat buffer."""
 
 
 def describe(params: Sequence[torch.Tensor], index: int) -> str:
@@ -163,7 +164,7 @@ class FlatGroup:
     indices: list[int]
     offsets: list[int]  # len(indices) + 1 entries, offsets[-1] == numel
     param: torch.Tensor  # [N] dtype: the storage of every member's .data
-    grad: torch.Tensor  # [N] dtype: reduced gradients (impl="device": autograd's accumulator)
+    grad: torch.Tensor  # [N] dtype: the gradients, copied in (or gathered: impl="device"), then reduced
     exp_avg: torch.Tensor  # [N] fp32
     exp_avg_sq: torch.Tensor  # [N] fp32
     segment: torch.Tensor  # [N] int32: the parameter index of each element
@@ -472,8 +473,8 @@ class ReplicatedAdam:
 
     Per Adam step: ``launch_reduce()`` (Phase 0), then ``update()`` (Phase 2). ``impl`` picks the mode:
     "fused" (host-built scalar table, one launch per dtype) or "device" (perf/replicated_adam_device.py:
-    table on the device, zero-copy gradients reduced from a post-accumulate-grad hook, one launch for every
-    dtype, CUDA graphs on CUDA). Both give the same bits as the per-parameter path of optim/adam.py.
+    gradients gathered and the table built on the device, one launch for every dtype, CUDA graphs on CUDA).
+    Both give the same bits as the per-parameter path of optim/adam.py, and both leave .grad to autograd.
     """
 
     def __init__(
@@ -585,26 +586,12 @@ class ReplicatedAdam:
                 launch()
 
     def zero_grad(self) -> None:
-        """Clear the gradients: .grad = None ("fused"), or zero the flat accumulators ("device")."""
+        """Clear the gradients: .grad = None."""
         if self._device_mode is not None:
             self._device_mode.zero_grad()
             return
         for p in self.params:
             p.grad = None
-
-    def arm_reduce(self) -> None:
-        """impl="device": the next backward launches the all_reduce from its gradient hooks (an Adam step).
-
-        Call it before the backward whose gradients the next update() consumes; a no-op for "fused".
-        """
-        if self._device_mode is not None:
-            self._device_mode.arm_reduce()
-
-    @property
-    def owns_grads(self) -> bool:
-        """True when every .grad is a view into a flat buffer that must not be replaced or dropped
-        (impl="device"): clear gradients with zero_grad(), never by assigning .grad."""
-        return self._device_mode is not None
 
     # ---- invariants and state ------------------------------------------------------------------------------
 
@@ -628,8 +615,6 @@ class ReplicatedAdam:
                         f"{describe(self.params, i)}: {what} was rebound and no longer points into its flat "
                         "buffer; load values in place (tensor.copy_(...)) instead of assigning a new tensor"
                     )
-        if self._device_mode is not None:
-            self._device_mode.assert_grads_intact()
 
     def state_dict(self) -> list[dict]:
         """Per parameter (in order): {"step": int, "exp_avg": tensor, "exp_avg_sq": tensor}, cloned."""

@@ -2,27 +2,26 @@
 
 What it replaces (``ReplicatedAdam(..., impl="device")``, OptimConfig.replicated_impl = "device"; "fused" is
 perf/replicated_adam.py's host path): per Adam step, the NumPy scalar table, its pinned upload and event wait,
-the foreach copy of the gradients, one all_reduce and one Triton launch per dtype. Measured on an H100
-(perf/RESULTS.md, the record's 13 tensors, one backward per Adam step, gradients arriving fresh from the
-backward): 272.9 us of host time per Adam step against 265.5 for "fused", the same within their intervals.
-Its own calls cost 58 us against fused's 156 (one replay of the update graph is about 4 us), but the 13
-gradient hooks and the in-place adds into the zero-copy views (one launch per tensor, where autograd would
-otherwise keep the fresh gradient as .grad) cost about as much, in the backward. In the trainer they run in
-every micro-batch's backward, and the two modes run the preset at the same speed (README "Defaults of the
-fast paths").
+the foreach copy of the gradients into the flat buffers, one all_reduce and one Triton launch per dtype.
 
-Why its own calls cost less than fused's:
+Why it is faster: the host writes two small rows of numbers into pinned memory and replays CUDA graphs.
+- Gradients are gathered on the device. Autograd leaves each .grad where it likes (a fresh tensor every
+  step); launch_reduce() writes the 13 data pointers (0 for a parameter without a gradient) into a pinned
+  int64 row and replays the gather graph: a host-to-device copy of that row, then one Triton launch that
+  copies every element of every gradient into its flat buffer, reading its source address from the row
+  by segment id. No gradient hooks, no views, no in-place adds in the backward: the backward is the same
+  as for the other paths, and a graph that reads addresses as data follows tensors that move every step.
 - The table is computed on the device. Per step the host writes six fp64 numbers per parameter (lr, lr_mul,
   weight_decay, wd_mul, step, active) into pinned memory, copied up by the update graph itself (without
   graphs, through UploadRing); a one-program kernel computes step_size and eff_wd in fp64 from
   bias-correction tables the host computed once in Python doubles. The step counters stay the state dicts'
   ints (what checkpoints save and load) and ride in that same upload, so a loaded checkpoint cannot leave a
   stale counter on the device.
-- Zero-copy gradients: every .grad is a view into its flat gradient buffer, so autograd accumulates there.
-- Overlap: the all_reduce starts from the post-accumulate-grad hook of the last gradient to arrive (after
-  ``arm_reduce()``), while the rest of backward runs.
-- One Adam launch for every dtype; it also clears the gradient buffers it read, so no zeroing launch.
-- On CUDA the reduce (NCCL) and the update (table kernel and Adam kernel) are CUDA graphs, replayed.
+- One Adam launch for every dtype.
+- On CUDA the gather, the reduce (NCCL, with several processes) and the update (table kernel and Adam kernel)
+  are CUDA graphs, replayed.
+Measured in perf/RESULTS.md (perf/bench_replicated_adam.py, the record's 13 tensors, gradients arriving fresh
+from a backward).
 
 Invariants (each tested in tests/perf/test_replicated_adam_device.py):
 1. The same bits as the per-parameter and fused paths: across gradient accumulation over non-Adam steps,
@@ -30,15 +29,20 @@ Invariants (each tested in tests/perf/test_replicated_adam_device.py):
 2. The device table equals adam_scalar_table's bit for bit: fp64 multiplies and div.rn are IEEE on both sides,
    the bias corrections are the host's own doubles (tabulated per beta up to the step where ``1 - beta^t``
    becomes exactly 1.0), and the one rounding to fp32 is to nearest even on both sides.
-3. Every .grad stays its view into the flat gradient buffer: replacing or dropping one raises FlatViewError at
-   the next gradient hook, launch_reduce() or assert_views_intact().
-4. A parameter is active when one of its gradient hooks ran since the last update; others are skipped whole.
+3. The gather copies each gradient's bits as they are and writes zeros for a parameter without one; a
+   parameter is active when it has a .grad at launch_reduce(), as in the fused path; a gradient that is not
+   contiguous is refused, naming the parameter, before anything is written.
+4. A pinned row is rewritten only after the event recorded behind the last update graph, which follows the
+   last gather graph in stream order; a gradient freed after launch_reduce() is safe, as its block is
+   reused only by work queued behind the gather on the same stream.
 5. A CUDA graph is trusted only after one replay matched the eager step bit for bit (a reduce graph that does
    not match is dropped on every rank, the reduce then stays eager).
 
 Provenance: the issue "a replicated-Adam step with no host work"; device-side step counters and a device lr
 follow PyTorch's capturable Adam and microsoft/dion's scalar optimizers, graph capture of the whole step
-with NCCL inside follows dion's cuda_graph.py, post-accumulate-grad hooks follow modded-nanogpt's record 44.
+with NCCL inside follows dion's cuda_graph.py; gathering through a table of device pointers is the
+pointer-array form of cuBLAS's batched GEMM and of PyTorch's multi-tensor-apply kernels, whose tensor lists
+reach the device as address tables.
 """
 
 from __future__ import annotations
@@ -56,7 +60,6 @@ from track_1_short.perf.kernels import replicated_adam as kernels
 from track_1_short.perf.kernels.replicated_adam import STEP_INPUTS
 from track_1_short.perf.replicated_adam import (
     CurrentStream,
-    FlatViewError,
     ReplicatedAdamError,
     UploadRing,
     describe,
@@ -95,12 +98,6 @@ class DeviceStep:
 
     @staticmethod
     def validate(params: Sequence[torch.Tensor], param_cfgs: Sequence) -> None:
-        for i, p in enumerate(params):
-            if not (p.is_leaf and p.requires_grad):
-                raise ValueError(
-                    f"{describe(params, i)}: impl='device' needs leaf parameters that require grad (its "
-                    "gradients arrive through post-accumulate-grad hooks); use impl='fused'"
-                )
         for i, cfg in enumerate(param_cfgs):
             for beta in cfg.adam_betas:
                 if correction_length(float(beta)) > MAX_CORRECTION_STEPS:
@@ -117,51 +114,48 @@ class DeviceStep:
         self.groups = owner.groups
         device = owner.device
         n = len(self.params)
-        self.grad_views: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
-        for group in self.groups:
-            for k, i in enumerate(group.indices):
-                self.grad_views[i] = group.grad_views[k]
         self.group_args = [
             (group.param, group.grad, group.exp_avg, group.exp_avg_sq, group.segment) for group in self.groups
         ]
+        # Where each parameter's gradient is this step (0: none), and where its flat slice starts.
+        self.addresses = torch.zeros(n, dtype=torch.int64, device=device)
+        starts = [0] * n
+        for group in self.groups:
+            for k, i in enumerate(group.indices):
+                starts[i] = group.offsets[k]
+        self.starts = torch.tensor(starts, dtype=torch.int64, device=device)
+        self._gather = kernels.bind_gather_grads(
+            [(group.grad, group.segment) for group in self.groups], self.addresses, self.starts, owner.block
+        )
         # Per-step inputs (fp64 [len(STEP_INPUTS), n]) go up through the pinned ring; everything that depends
         # only on betas and eps is uploaded when they change (see _refresh_static).
         self.inputs = torch.zeros((len(STEP_INPUTS), n), dtype=torch.float64, device=device)
         self.use_graphs = use_cuda_graphs and device.type == "cuda"
         if self.use_graphs:
-            # The update graph copies from one fixed pinned buffer; the host rewrites it only after the event
-            # recorded behind the last replay (two training steps earlier: it has long retired).
+            # The graphs copy from fixed pinned rows. The host rewrites them only after the event recorded
+            # behind the last update graph, which ran after the last gather graph (the step before).
+            self._pinned_addresses = torch.zeros(n, dtype=torch.int64, pin_memory=True)
             self._pinned_inputs = torch.zeros(self.inputs.shape, dtype=torch.float64, pin_memory=True)
+            self._address_row = self._pinned_addresses.numpy()
             self._pinned_rows = self._pinned_inputs.numpy()
-            self._inputs_read = torch.cuda.Event()
+            self._rows_read = torch.cuda.Event()
             self._stream = CurrentStream(device)  # record() without a stream builds a Stream object per call
         else:
+            self.address_ring = UploadRing(self.addresses)
             self.ring = UploadRing(self.inputs)
         self.corrections = torch.zeros(0, dtype=torch.float64, device=device)
         self.correction_index = torch.zeros((4, n), dtype=torch.int32, device=device)
         self._static_key: list[tuple] | None = None
         self._refresh_static()
 
-        # The views become the gradients; a gradient present now is kept (copied into its view, active).
-        self.arrived = [p.grad is not None for p in self.params]
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                if p.grad is not None:
-                    self.grad_views[i].copy_(p.grad)
-                p.grad = self.grad_views[i]
-        self._grads_clear = not any(self.arrived)
-        self._armed = False
-        self._armed_arrived = [False] * n
-        self._armed_count = 0
-        self._reduce_state: str | None = None  # None, "hook" (started by a hook) or "call" (launch_reduce)
+        self.arrived = [False] * n
+        self._reduce_pending = False
         self._handles: list[distributed.Handle] = []
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
-        ]
 
         # NCCL can be captured; with one process there is no collective to capture.
         self.reduce_in_graph = self.use_graphs and distributed.world_size() > 1
         self.graphs_trusted = False
+        self.gather_graph = None
         self.reduce_graph = None
         self.update_graph = None
         self._pre_reduce: list[torch.Tensor] | None = None
@@ -197,66 +191,50 @@ class DeviceStep:
         self.graphs_trusted = False
         self.update_graph = None
 
-    # ---- gradients ----------------------------------------------------------------------------------------
-
-    def _make_hook(self, i: int):
-        def hook(param: torch.Tensor) -> None:
-            self._on_gradient(i, param)
-
-        return hook
-
-    def _on_gradient(self, i: int, param: torch.Tensor) -> None:
-        if param.grad is not self.grad_views[i]:
-            raise FlatViewError(self._grad_message(i))
-        if self._reduce_state is not None:
-            raise ReplicatedAdamError(
-                f"{describe(self.params, i)} received a gradient after the replicated all_reduce started; "
-                "call update() before the next backward"
-            )
-        self._grads_clear = False
-        self.arrived[i] = True
-        if self._armed and not self._armed_arrived[i]:
-            self._armed_arrived[i] = True
-            self._armed_count += 1
-            if self._armed_count == len(self.params):
-                self._start_reduce("hook")
-
-    def _grad_message(self, i: int) -> str:
-        return (
-            f"{describe(self.params, i)}: .grad was replaced or dropped; with impl='device' it must stay the "
-            "view into the flat gradient buffer (clear gradients with ReplicatedAdam.zero_grad(), load them "
-            "with p.grad.copy_(...))"
-        )
-
-    def assert_grads_intact(self) -> None:
-        for i, p in enumerate(self.params):
-            if p.grad is not self.grad_views[i]:
-                raise FlatViewError(self._grad_message(i))
-
-    def arm_reduce(self) -> None:
-        if self._reduce_state is not None:
-            raise ReplicatedAdamError("arm_reduce() called while a reduce is pending; call update() first")
-        self._armed = True
-        self._armed_arrived = [False] * len(self.params)
-        self._armed_count = 0
-
-    def zero_grad(self) -> None:
-        if self._reduce_state is not None:
-            raise ReplicatedAdamError("zero_grad() called between launch_reduce() and update()")
-        if not self._grads_clear:
-            for group in self.groups:
-                group.grad.zero_()
-            self._grads_clear = True
-        self.arrived = [False] * len(self.params)
-        self._armed = False
-
     # ---- the step -----------------------------------------------------------------------------------------
 
-    def _start_reduce(self, by: str) -> None:
-        self._armed = False
-        self._reduce_state = by
+    def _read_addresses(self) -> list[int]:
+        """This step's gradient addresses, 0 where a parameter has none; refuses a gradient the gather cannot
+        read as its parameter's elements in order (autograd's own are contiguous, as the parameters are)."""
+        addresses = []
+        for i, p in enumerate(self.params):
+            grad = p.grad
+            if grad is None:
+                addresses.append(0)
+            elif grad.is_contiguous():
+                addresses.append(grad.data_ptr())
+            else:
+                raise ValueError(
+                    f"{describe(self.params, i)}: .grad is not contiguous (strides {grad.stride()}); "
+                    "impl='device' gathers gradients as flat memory: assign p.grad = g.contiguous()"
+                )
+        return addresses
+
+    def _upload_and_gather(self) -> None:
+        if self.use_graphs:
+            # Inside the gather graph: one host-to-device copy node from the one pinned row.
+            self.addresses.copy_(self._pinned_addresses, non_blocking=True)
+        self._gather()
+
+    def launch_reduce(self) -> None:
+        if self._reduce_pending:
+            raise ReplicatedAdamError("launch_reduce() called twice without update() in between")
+        addresses = self._read_addresses()  # may raise: nothing is written before it returns
+        if self.use_graphs:
+            self._rows_read.synchronize()  # the last graphs have copied both pinned rows
+            self._address_row[:] = addresses
+            if self.gather_graph is not None:
+                self.gather_graph.replay()
+            else:
+                self._capture_gather()
+        else:
+            self.address_ring.host_buffer()[:] = addresses
+            self.address_ring.upload()
+            self._gather()
+        self.arrived = [a != 0 for a in addresses]
+        self._reduce_pending = True
         if self.use_graphs and not self.graphs_trusted and self.reduce_in_graph:
-            # The first step is also the graph's check: keep the gradients as they were before the reduce.
+            # The first step is also the reduce graph's check: keep the gradients as they were before it.
             self._pre_reduce = [group.grad.clone() for group in self.groups]
         if self.reduce_graph is not None and self.graphs_trusted:
             self.reduce_graph.replay()
@@ -264,13 +242,11 @@ class DeviceStep:
         else:
             self._handles = [distributed.all_reduce_avg(group.grad, async_op=True) for group in self.groups]
 
-    def launch_reduce(self) -> None:
-        if self._reduce_state == "call":
-            raise ReplicatedAdamError("launch_reduce() called twice without update() in between")
-        self.assert_grads_intact()
-        if self._reduce_state is None:
-            self._start_reduce("call")
-        self._reduce_state = "call"
+    def zero_grad(self) -> None:
+        if self._reduce_pending:
+            raise ReplicatedAdamError("zero_grad() called between launch_reduce() and update()")
+        for p in self.params:
+            p.grad = None
 
     def _write_inputs(self) -> bool:
         """Write this step's per-parameter inputs (STEP_INPUTS order) and count the active parameters' steps.
@@ -278,8 +254,7 @@ class DeviceStep:
         Returns whether a beta or eps changed since the static data was built (read in the same pass).
         """
         if self.use_graphs:
-            self._inputs_read.synchronize()  # the last replay has copied the pinned inputs
-            rows = self._pinned_rows
+            rows = self._pinned_rows  # free to rewrite: launch_reduce() waited for the last update graph
         else:
             rows = self.ring.host_buffer()
         n = len(self.params)
@@ -306,10 +281,11 @@ class DeviceStep:
             # Inside the update graph: one host-to-device copy node from the one pinned buffer.
             self.inputs.copy_(self._pinned_inputs, non_blocking=True)
         kernels.device_scalar_table_(self.owner.table, self.inputs, self.corrections, self.correction_index)
-        kernels.launch_fused_adam_groups(self.group_args, self.owner.table, self.owner.block, zero_grad=True)
+        # The gather rewrites every element of the gradient buffers: nothing to clear here.
+        kernels.launch_fused_adam_groups(self.group_args, self.owner.table, self.owner.block, zero_grad=False)
 
     def update(self) -> None:
-        if self._reduce_state is None:
+        if not self._reduce_pending:
             raise ReplicatedAdamError("update() called without launch_reduce(); call launch_reduce() first")
         if self._write_inputs():
             self._refresh_static()
@@ -323,10 +299,9 @@ class DeviceStep:
             else:
                 self._launch_update_kernels()
         if self.use_graphs:
-            self._inputs_read.record(self._stream())
+            self._rows_read.record(self._stream())
         self._handles = []
-        self._reduce_state = None
-        self._grads_clear = True
+        self._reduce_pending = False
         self.arrived = [False] * len(self.params)
 
     # ---- CUDA graphs --------------------------------------------------------------------------------------
@@ -345,6 +320,26 @@ class DeviceStep:
             group.exp_avg.copy_(exp_avg)
             group.exp_avg_sq.copy_(exp_avg_sq)
             group.grad.copy_(grads[k])
+
+    def _capture_gather(self) -> None:
+        """Gather eagerly, then capture the gather (upload and kernel) and trust the graph only if one replay
+        writes the same bits into buffers overwritten in between."""
+        self._upload_and_gather()
+        eager = [group.grad.clone() for group in self.groups]
+        torch.cuda.synchronize(self.owner.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._upload_and_gather()
+        for group in self.groups:
+            group.grad.fill_(float("nan"))  # a replay that writes nothing cannot pass
+        graph.replay()
+        differing = [str(g.dtype) for g, e in zip(self.groups, eager) if not same_bits(g.grad, e)]
+        if differing:
+            raise RuntimeError(
+                "the CUDA graph of the replicated gradient gather disagrees with the eager gather in the "
+                f"{', '.join(differing)} buffer; construct ReplicatedAdam with use_cuda_graphs=False"
+            )
+        self.gather_graph = graph
 
     def _capture_and_check(self) -> None:
         """Run this step eagerly, then rewind, capture, replay, and trust the graphs only if the bits agree.

@@ -33,7 +33,9 @@ Numerics (tests/perf/test_anvil_bank_triton.py):
   integer arithmetic (kernels/bf16_bits.py; the interpreter's own conversion truncates). So the rails and u
   are bitwise the eager ones (tested on the CPU).
 - Kernel B sums v^2 along each lane in fp32 in its own order, so the lane power, and through it the lane
-  energy, the scale and the step, agree with eager within fp32 summation bounds, not bitwise.
+  energy, the scale and the step, agree with eager within fp32 summation bounds, not bitwise. On the GPU
+  that order follows the compiled layout, which follows the loaded element's width: V read as bf16 (as the
+  update does) and its fp32 widening sum in different orders, within the same bounds.
 - Kernel C mirrors :func:`~track_1_short.optim.anvil_bank.sign_gated_step_` operation by operation (launched
   with ``enable_fp_fusion=False``, so no multiply-add is contracted): given the same scale it writes the same
   bits. A matrix with eff_lr = 0 (pad, frozen) keeps its weight and mantissa bit for bit.
@@ -129,7 +131,8 @@ def _lane_power_kernel(
     acc = tl.zeros((BLOCK_LANES, BLOCK_R), dtype=tl.float32)
     for r0 in range(0, length, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
-        # bf16 widened exactly: the same fp32 values as a float() copy, without the copy.
+        # bf16 widened exactly: the same fp32 values as a float() copy, without the copy (tl.sum's order
+        # below still follows the load's width on the GPU).
         v = load_bf16(base + r[None, :] * red_stride, lane_in[:, None] & (r < length)[None, :], V_BF16)
         acc += v * v
     power = tl.sum(acc, axis=1) / length  # the mean of v^2, as eager's sum then divide

@@ -4,7 +4,9 @@
 small parameters laid end to end). Each element finds its parameter's row of an fp32 scalar table through an
 int32 segment id; the columns are SCALAR_COLUMNS. ``fused_adam_groups_`` does the same for up to two buffers
 (bf16 and fp32) in one launch, and ``device_scalar_table_`` fills the per-step columns of the table on the
-device from uploaded per-parameter inputs (the no-host-work mode of perf/replicated_adam_device.py).
+device from uploaded per-parameter inputs, and ``gather_grads_`` copies each parameter's gradient into its
+flat buffer from a table of addresses read on the device (both for the no-host-work mode of
+perf/replicated_adam_device.py).
 
 Numerics: the claim is bitwise equality with the reference step (compiled on CUDA, eager on the CPU).
 - fp32 throughout, one kernel statement per reference statement, operands in the reference's order; bf16
@@ -205,6 +207,41 @@ def _fused_adam_two_groups_kernel(
             ZERO_GRAD,
             DIV_RN,
         )
+
+
+@triton.jit
+def _gather_block(offs, in_bounds, grad_ptr, segment_ptr, addresses_ptr, starts_ptr):
+    # Element k of the flat buffer is element (k - start) of its parameter's gradient, wherever autograd put
+    # that tensor this step: its address comes from the table, as an integer (0: no gradient, write zeros).
+    seg = tl.load(segment_ptr + offs, mask=in_bounds, other=0)
+    address = tl.load(addresses_ptr + seg, mask=in_bounds, other=0)
+    start = tl.load(starts_ptr + seg, mask=in_bounds, other=0)
+    source = address.to(tl.pointer_type(grad_ptr.dtype.element_ty)) + (offs - start)
+    values = tl.load(source, mask=in_bounds & (address != 0), other=0)
+    tl.store(grad_ptr + offs, values, mask=in_bounds)
+
+
+@triton.jit
+def _gather_grads_kernel(
+    grad0_ptr,
+    segment0_ptr,
+    n0,
+    blocks0,
+    grad1_ptr,
+    segment1_ptr,
+    n1,
+    addresses_ptr,
+    starts_ptr,
+    BLOCK: tl.constexpr,
+):
+    # Programs [0, blocks0) fill buffer 0, the rest buffer 1 (as _fused_adam_two_groups_kernel splits them).
+    pid = tl.program_id(0)
+    if pid < blocks0:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        _gather_block(offs, offs < n0, grad0_ptr, segment0_ptr, addresses_ptr, starts_ptr)
+    else:
+        offs = (pid - blocks0) * BLOCK + tl.arange(0, BLOCK)
+        _gather_block(offs, offs < n1, grad1_ptr, segment1_ptr, addresses_ptr, starts_ptr)
 
 
 @triton.jit
@@ -485,3 +522,57 @@ def device_scalar_table_(
         BLOCK_N=max(16, triton.next_power_of_2(n)),
         enable_fp_fusion=False,  # fp64 products rounded one by one, as the host computes them in Python
     )
+
+
+def _gather_launch(groups: Sequence[tuple], addresses, starts, block: int):
+    """(grid, arguments, constexprs, options) of one gather_grads_ launch over one or two groups."""
+    first = groups[0]
+    second = groups[1] if len(groups) > 1 else first
+    n0 = first[0].numel()
+    n1 = second[0].numel() if len(groups) > 1 else 0
+    blocks0 = triton.cdiv(n0, block)
+    grid = (blocks0 + triton.cdiv(n1, block),)
+    # Bits are copied as they are: bf16 buffers as int16, so the element width is all the kernel needs.
+    args = (_bits(first[0]), first[1], n0, blocks0, _bits(second[0]), second[1], n1, addresses, starts)
+    return grid, args, {"BLOCK": block}, {"num_warps": _NUM_WARPS}
+
+
+def bind_gather_grads(groups: Sequence[tuple], addresses, starts, block: int) -> BoundLaunch:
+    """gather_grads_ as a BoundLaunch over buffers and tables that stay in place (validated by the caller)."""
+    return BoundLaunch(_gather_grads_kernel, *_gather_launch(groups, addresses, starts, block))
+
+
+def gather_grads_(
+    groups: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    addresses: torch.Tensor,
+    starts: torch.Tensor,
+    *,
+    block: int = DEFAULT_BLOCK,
+) -> None:
+    """Copy every parameter's gradient into its slice of a flat buffer, in one launch for one or two buffers.
+
+    groups: (grad, segment) per flat buffer: grad bf16 or fp32 [N], segment int32 [N] (parameter index per
+    element). addresses: int64 [n_params], the data pointer of parameter i's gradient (a contiguous tensor of
+    the parameter's dtype and numel, on the buffers' device) or 0 where it has none; its slice is then zeroed.
+    starts: int64 [n_params], the offset of parameter i's first element in its buffer. The kernel reads the
+    addresses on the device: a CUDA graph of this launch follows gradients that move from step to step.
+    """
+    if not 1 <= len(groups) <= 2:
+        raise ValueError(f"gather_grads_ takes one or two groups, got {len(groups)}")
+    _check_block(block)
+    device = groups[0][0].device
+    for k, (grad, segment) in enumerate(groups):
+        name = f"gather_grads_ group {k}"
+        if grad.dim() != 1 or not grad.is_contiguous() or grad.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"{name}: grad must be a contiguous 1-D bf16 or fp32 buffer")
+        if segment.dtype != torch.int32 or segment.shape != grad.shape or not segment.is_contiguous():
+            raise ValueError(f"{name}: segment must be a contiguous int32 buffer of {grad.numel()} elements")
+        if grad.device != device or segment.device != device:
+            raise ValueError(f"{name}: every buffer must be on {device}")
+    for what, table in (("addresses", addresses), ("starts", starts)):
+        if table.dtype != torch.int64 or table.dim() != 1 or table.device != device:
+            raise ValueError(f"gather_grads_: {what} must be a 1-D int64 tensor on {device}")
+    if addresses.shape != starts.shape or not (addresses.is_contiguous() and starts.is_contiguous()):
+        raise ValueError("gather_grads_: addresses and starts must be contiguous, one entry per parameter")
+    grid, args, constexprs, options = _gather_launch(groups, addresses, starts, block)
+    _gather_grads_kernel[grid](*args, **constexprs, **options)
