@@ -390,44 +390,37 @@ def test_cuda_graph_mode_equals_the_fused_path_bitwise_over_a_hundred_adam_steps
         assert_bitwise(device.param_states[i]["exp_avg_sq"], fused.param_states[i]["exp_avg_sq"], f"v {i}")
 
 
+def _wrong_inside_the_capture(monkeypatch, step, method: str, corrupt) -> None:
+    """Make ``step.<method>`` run as before, then, on its second call (the one inside the capture), also
+    ``corrupt()``: the graph then writes one more value than the eager call did."""
+    original = getattr(step, method)
+    calls = [0]
+
+    def eager_then_wrong():
+        original()
+        calls[0] += 1
+        if calls[0] == 2:
+            corrupt()
+
+    monkeypatch.setattr(step, method, eager_then_wrong)
+
+
 @pytest.mark.gpu
-def test_cuda_graph_that_disagrees_with_the_eager_step_is_refused(monkeypatch):
+@pytest.mark.parametrize(
+    "method, buffer, match",
+    [
+        ("_launch_update_kernels", "exp_avg", "CUDA graph of the replicated Adam step disagrees"),
+        ("_gather", "grad", "CUDA graph of the replicated gradient gather disagrees"),
+    ],
+)
+def test_cuda_graph_that_disagrees_with_the_eager_call_is_refused(monkeypatch, method, buffer, match):
     _, device = _cuda_pair(seed=27)
     step = device._device_mode
-    original = step._launch_update_kernels
-    calls = [0]
-
-    def eager_then_wrong():
-        original()
-        calls[0] += 1
-        if calls[0] == 2:  # inside the capture: the graph writes one more value than the eager step did
-            device.groups[0].exp_avg.add_(1.0)
-
-    monkeypatch.setattr(step, "_launch_update_kernels", eager_then_wrong)
+    _wrong_inside_the_capture(monkeypatch, step, method, lambda: getattr(device.groups[0], buffer).add_(1.0))
     weights = [w.cuda() for w in _weights(device.params, torch.Generator().manual_seed(28))]
-    with pytest.raises(RuntimeError, match="CUDA graph of the replicated Adam step disagrees"):
+    with pytest.raises(RuntimeError, match=match):
         _cuda_step(device, weights, do_adam=True)
-    assert not step.graphs_trusted
-
-
-@pytest.mark.gpu
-def test_gather_graph_that_disagrees_with_the_eager_gather_is_refused(monkeypatch):
-    _, device = _cuda_pair(seed=32)
-    step = device._device_mode
-    original = step._gather
-    calls = [0]
-
-    def eager_then_wrong():
-        original()
-        calls[0] += 1
-        if calls[0] == 2:  # inside the capture: the graph writes one more value than the eager gather did
-            device.groups[0].grad.add_(1.0)
-
-    monkeypatch.setattr(step, "_gather", eager_then_wrong)
-    weights = [w.cuda() for w in _weights(device.params, torch.Generator().manual_seed(33))]
-    with pytest.raises(RuntimeError, match="CUDA graph of the replicated gradient gather disagrees"):
-        _cuda_step(device, weights, do_adam=True)
-    assert step.gather_graph is None
+    assert not step.graphs_trusted and (method != "_gather" or step.gather_graph is None)
 
 
 @pytest.mark.gpu

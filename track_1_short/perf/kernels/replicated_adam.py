@@ -446,14 +446,20 @@ def fused_adam_(
     launch_fused_adam(param, grad, exp_avg, exp_avg_sq, segment, scalars, block, zero_grad=False)
 
 
-def launch_fused_adam_groups(groups: Sequence[tuple], scalars, block: int, zero_grad: bool) -> None:
-    """The unchecked launch behind fused_adam_groups_."""
+def _two_group_split(groups: Sequence[tuple], block: int):
+    """(first, second, n0, n1, blocks0, grid) of a launch whose programs [0, blocks0) take group 0's buffer
+    (first[0] its numel n0) and the rest group 1's; with one group, second repeats it and n1 is 0."""
     first = groups[0]
     second = groups[1] if len(groups) > 1 else first
     n0 = first[0].numel()
     n1 = second[0].numel() if len(groups) > 1 else 0
     blocks0 = triton.cdiv(n0, block)
-    grid = (blocks0 + triton.cdiv(n1, block),)
+    return first, second, n0, n1, blocks0, (blocks0 + triton.cdiv(n1, block),)
+
+
+def launch_fused_adam_groups(groups: Sequence[tuple], scalars, block: int, zero_grad: bool) -> None:
+    """The unchecked launch behind fused_adam_groups_."""
+    first, second, n0, n1, blocks0, grid = _two_group_split(groups, block)
     _fused_adam_two_groups_kernel[grid](
         _bits(first[0]),
         _bits(first[1]),
@@ -526,12 +532,7 @@ def device_scalar_table_(
 
 def _gather_launch(groups: Sequence[tuple], addresses, starts, block: int):
     """(grid, arguments, constexprs, options) of one gather_grads_ launch over one or two groups."""
-    first = groups[0]
-    second = groups[1] if len(groups) > 1 else first
-    n0 = first[0].numel()
-    n1 = second[0].numel() if len(groups) > 1 else 0
-    blocks0 = triton.cdiv(n0, block)
-    grid = (blocks0 + triton.cdiv(n1, block),)
+    first, second, n0, n1, blocks0, grid = _two_group_split(groups, block)
     # Bits are copied as they are: bf16 buffers as int16, so the element width is all the kernel needs.
     args = (_bits(first[0]), first[1], n0, blocks0, _bits(second[0]), second[1], n1, addresses, starts)
     return grid, args, {"BLOCK": block}, {"num_warps": _NUM_WARPS}
