@@ -204,8 +204,8 @@ def test_missing_data_directory_prints_the_download_command_without_a_traceback(
 
 
 def test_device_replicated_mode_trains_bit_for_bit_like_the_fused_path(one_process, tmp_path):
-    # optim.replicated_impl=device: gradients accumulate in the flat buffer over both microbatches, the
-    # reduce is armed before the last backward of Adam steps, the table is built on the device; same bits.
+    # optim.replicated_impl=device: autograd accumulates the gradients over both microbatches as for fused,
+    # the device mode gathers them from their addresses and builds the table on the device; same bits.
     from tools.compare_checkpoints import compare
 
     device = trainer.run(

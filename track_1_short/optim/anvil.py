@@ -108,11 +108,12 @@ class OptimConfig:
     """The cascade divides by margin * ||X||_F; its maps are derived for 1.05."""
     replicated_impl: str = "fused"
     """Replicated Adam: "fused" (flat buffers, one all_reduce and one kernel per dtype), "device" (the same
-    with no host work: device scalar table, gradients accumulated in the flat buffer, one launch, CUDA graphs)
-    or "reference" (per-parameter all_reduce and Adam step). All three give the same parameters. "fused" is
-    the default: on one H200 the record_1gpu preset ran at 395,402 tokens/s fused and 395,639 with "device"
-    (0.06% apart, below the run-to-run spread; perf/RESULTS.md), since the step is GPU-bound and waits for
-    none of the host work that "device" removes; so the path with fewer moving parts stays the default."""
+    with the host's work on the device: gradients gathered from a table of their addresses, the scalar table
+    built on the device, one Adam launch, CUDA graphs) or "reference" (per-parameter all_reduce and Adam
+    step). All three give the same parameters. "fused" is the default: on the one-GPU preset "device" ends
+    bitwise equal at the same speed (perf/RESULTS.md, record_1gpu_det_*.json), since the step is GPU-bound
+    and waits for none of the host work that "device" removes (111 against 238 host us per Adam step in
+    perf/bench_replicated_adam.py); so the path with fewer moving parts stays the default."""
     scalar_upload: str = "batched"
     """How set_schedule sends the banks' per-step scalars (rail betas, decay, per-matrix lr) to the device:
     "batched" (one host row for every bank, one pinned non-blocking copy a step:

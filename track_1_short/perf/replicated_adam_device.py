@@ -20,8 +20,9 @@ Why it is faster: the host writes two small rows of numbers into pinned memory a
 - One Adam launch for every dtype.
 - On CUDA the gather, the reduce (NCCL, with several processes) and the update (table kernel and Adam kernel)
   are CUDA graphs, replayed.
-Measured in perf/RESULTS.md (perf/bench_replicated_adam.py, the record's 13 tensors, gradients arriving fresh
-from a backward).
+Measured on an H100 (perf/RESULTS.md, perf/bench_replicated_adam.py, the record's 13 tensors, gradients
+arriving fresh from a backward): 111.0 host us per Adam step against 238.5 for "fused" and 1,408 for the
+per-parameter path, bitwise equal to both.
 
 Invariants (each tested in tests/perf/test_replicated_adam_device.py):
 1. The same bits as the per-parameter and fused paths: across gradient accumulation over non-Adam steps,
