@@ -448,13 +448,11 @@ class AnvilAndAdam:
         if self.tied and do_adam:
             embed, lm_head = (self.params[k] for k in self.tie)
             embed.data.copy_(lm_head.data.mT)
+        # Every path leaves .grad to autograd, the replicated ones too: dropping it is the clear.
         for label, p in self.params.items():
-            c = self.param_cfgs[label]
-            used = c.optim == "anvil" or (do_adam and (c.comms == "sharded" or self._fused is None))
+            used = self.param_cfgs[label].optim == "anvil" or do_adam
             if used and label not in self._deferred:
                 p.grad = None
-        if do_adam and self._fused is not None:
-            self._fused.zero_grad()
 
     def zero_grad(self) -> None:
         """Drop every gradient (a skipped step): .grad = None."""

@@ -119,7 +119,7 @@ def _adam_block(
     else:
         tl.store(param_ptr + offs, p, mask=mask)
     if ZERO_GRAD:
-        # The gradient buffer is autograd's accumulator in the device mode: clear it for the next window.
+        # fused_adam_groups_(zero_grad=True): the buffer is left cleared for a caller that accumulates in it.
         tl.store(grad_ptr + offs, tl.zeros_like(g).to(grad_ptr.dtype.element_ty), mask=in_bounds)
 
 
