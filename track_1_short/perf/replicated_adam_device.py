@@ -19,9 +19,7 @@ Why it is faster: the host writes two small rows of numbers into pinned memory a
   stale counter on the device.
 - One Adam launch for every dtype.
 - On CUDA the gather, the reduce (NCCL, with several processes) and the update (table kernel and Adam kernel)
-  are CUDA graphs, replayed. With one process there is no reduce to start early, so the gather waits for
-  update() and rides in the update graph: one replay per Adam step. launch_reduce() then only reads the
-  addresses and holds the gradients.
+  are CUDA graphs, replayed.
 Measured on an H100 (perf/RESULTS.md, perf/bench_replicated_adam.py, the record's 13 tensors, gradients
 arriving fresh from a backward): 111.0 host us per Adam step against 238.5 for "fused" and 1,408 for the
 per-parameter path, bitwise equal to both.
@@ -36,11 +34,8 @@ Invariants (each tested in tests/perf/test_replicated_adam_device.py):
    parameter is active when it has a .grad at launch_reduce(), as in the fused path; a gradient that is not
    contiguous is refused, naming the parameter, before anything is written.
 4. A pinned row is rewritten only after the event recorded behind the last update graph, which follows the
-   last gather in stream order. A gradient dropped or replaced after launch_reduce() is safe: with the gather
-   in launch_reduce() its block is reused only by work queued behind the gather on the same stream; with the
-   gather in update() launch_reduce() holds it. A gradient changed in place in between (an explicit
-   in-place op, or a backward accumulating into it) is refused in update(), naming the parameter, before
-   anything is written: the fused path would have copied the old values.
+   last gather graph in stream order; a gradient freed after launch_reduce() is safe, as its block is
+   reused only by work queued behind the gather on the same stream.
 5. A CUDA graph is trusted only after one replay matched the eager step bit for bit (a reduce graph that does
    not match is dropped on every rank, the reduce then stays eager).
 
@@ -157,15 +152,9 @@ class DeviceStep:
         self.arrived = [False] * n
         self._reduce_pending = False
         self._handles: list[distributed.Handle] = []
-        # With one process there is no reduce to start early, so the gather waits for update() and rides in
-        # its graph: one replay per Adam step. launch_reduce() holds this step's gradients (alive, whoever
-        # drops .grad meanwhile) and their versions (a gradient changed in place in between is refused).
-        self.gather_in_update = distributed.world_size() == 1
-        self._held: list[torch.Tensor | None] = []
-        self._versions: list[int] = []
 
         # NCCL can be captured; with one process there is no collective to capture.
-        self.reduce_in_graph = self.use_graphs and not self.gather_in_update
+        self.reduce_in_graph = self.use_graphs and distributed.world_size() > 1
         self.graphs_trusted = False
         self.gather_graph = None
         self.reduce_graph = None
@@ -205,13 +194,12 @@ class DeviceStep:
 
     # ---- the step -----------------------------------------------------------------------------------------
 
-    def _read_gradients(self) -> tuple[list[torch.Tensor | None], list[int]]:
-        """This step's gradients and their addresses, 0 where a parameter has none; refuses a gradient the
-        gather cannot read as its parameter's elements in order (autograd's own are contiguous, as the
-        parameters are)."""
-        grads = [p.grad for p in self.params]
+    def _read_addresses(self) -> list[int]:
+        """This step's gradient addresses, 0 where a parameter has none; refuses a gradient the gather cannot
+        read as its parameter's elements in order (autograd's own are contiguous, as the parameters are)."""
         addresses = []
-        for i, grad in enumerate(grads):
+        for i, p in enumerate(self.params):
+            grad = p.grad
             if grad is None:
                 addresses.append(0)
             elif grad.is_contiguous():
@@ -221,18 +209,7 @@ class DeviceStep:
                     f"{describe(self.params, i)}: .grad is not contiguous (strides {grad.stride()}); "
                     "impl='device' gathers gradients as flat memory: assign p.grad = g.contiguous()"
                 )
-        return grads, addresses
-
-    def _check_held(self) -> None:
-        """Refuse gradients changed in place since launch_reduce() (the deferred gather would read the new
-        values, where the fused path copied the old ones), before anything is written."""
-        for i, (grad, version) in enumerate(zip(self._held, self._versions)):
-            if grad is not None and grad._version != version:
-                raise ReplicatedAdamError(
-                    f"{describe(self.params, i)}: .grad was changed in place between launch_reduce() and "
-                    "update(); with one process impl='device' reads the gradients in update(): finish "
-                    "changing them before launch_reduce(), or use impl='fused'"
-                )
+        return addresses
 
     def _upload_and_gather(self) -> None:
         if self.use_graphs:
@@ -243,25 +220,20 @@ class DeviceStep:
     def launch_reduce(self) -> None:
         if self._reduce_pending:
             raise ReplicatedAdamError("launch_reduce() called twice without update() in between")
-        grads, addresses = self._read_gradients()  # may raise: nothing is written before it returns
+        addresses = self._read_addresses()  # may raise: nothing is written before it returns
         if self.use_graphs:
-            self._rows_read.synchronize()  # the last graph has copied both pinned rows
+            self._rows_read.synchronize()  # the last graphs have copied both pinned rows
             self._address_row[:] = addresses
+            if self.gather_graph is not None:
+                self.gather_graph.replay()
+            else:
+                self._capture_gather()
         else:
             self.address_ring.host_buffer()[:] = addresses
-        self.arrived = [a != 0 for a in addresses]
-        self._reduce_pending = True
-        if self.gather_in_update:
-            self._held = grads
-            self._versions = [0 if g is None else g._version for g in grads]
-            return
-        if not self.use_graphs:
             self.address_ring.upload()
             self._gather()
-        elif self.gather_graph is not None:
-            self.gather_graph.replay()
-        else:
-            self._capture_gather()
+        self.arrived = [a != 0 for a in addresses]
+        self._reduce_pending = True
         if self.use_graphs and not self.graphs_trusted and self.reduce_in_graph:
             # The first step is also the reduce graph's check: keep the gradients as they were before it.
             self._pre_reduce = [group.grad.clone() for group in self.groups]
@@ -305,12 +277,6 @@ class DeviceStep:
             self.ring.upload()
         return changed
 
-    def _launch_step_kernels(self) -> None:
-        """What the update graph holds: the gather too when it waits for update() (one process)."""
-        if self.gather_in_update:
-            self._upload_and_gather()
-        self._launch_update_kernels()
-
     def _launch_update_kernels(self) -> None:
         if self.use_graphs:
             # Inside the update graph: one host-to-device copy node from the one pinned buffer.
@@ -322,7 +288,6 @@ class DeviceStep:
     def update(self) -> None:
         if not self._reduce_pending:
             raise ReplicatedAdamError("update() called without launch_reduce(); call launch_reduce() first")
-        self._check_held()
         if self._write_inputs():
             self._refresh_static()
         if self.use_graphs and not self.graphs_trusted:
@@ -333,13 +298,10 @@ class DeviceStep:
             if self.update_graph is not None:
                 self.update_graph.replay()
             else:
-                if self.gather_in_update:
-                    self.address_ring.upload()
-                self._launch_step_kernels()
+                self._launch_update_kernels()
         if self.use_graphs:
             self._rows_read.record(self._stream())
         self._handles = []
-        self._held = []
         self._reduce_pending = False
         self.arrived = [False] * len(self.params)
 
@@ -394,14 +356,10 @@ class DeviceStep:
         capture_reduce = self.reduce_in_graph and self._pre_reduce is not None
         reduced = [group.grad.clone() for group in self.groups]
         before = self._snapshot()
-        self._launch_step_kernels()
+        self._launch_update_kernels()
         eager = self._snapshot()
 
-        if self.gather_in_update:  # the graph gathers again: a replay that writes nothing cannot pass
-            grads_before = [torch.full_like(g.grad, float("nan")) for g in self.groups]
-        else:
-            grads_before = self._pre_reduce if capture_reduce else reduced
-        self._restore(before, grads_before)
+        self._restore(before, self._pre_reduce if capture_reduce else reduced)
         torch.cuda.synchronize(self.owner.device)
         if capture_reduce:
             self.reduce_graph = torch.cuda.CUDAGraph()
@@ -410,7 +368,7 @@ class DeviceStep:
                     distributed.all_reduce_avg(group.grad)
         self.update_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.update_graph, capture_error_mode="thread_local"):
-            self._launch_step_kernels()
+            self._launch_update_kernels()
         if capture_reduce:
             self.reduce_graph.replay()
             differs = torch.tensor(
