@@ -311,6 +311,29 @@ def test_a_gradient_that_arrives_after_launch_reduce_waits_for_the_next_step_as_
     _assert_same(device, fused)
 
 
+def test_gradients_dropped_replaced_or_changed_in_place_after_launch_reduce_give_the_fused_bits():
+    # launch_reduce() has gathered them (queued ahead of anything later on the GPU): what happens to .grad
+    # afterwards belongs to the next step, in both paths.
+    fused, device = _trainers(seed=32, impls=("fused", "device"))
+    gen = torch.Generator().manual_seed(33)
+    for step in range(6):
+        weights, other = _weights(fused.params, gen), _weights(fused.params, gen)
+        for t in (fused, device):
+            t.backward(weights)
+            t.opt.launch_reduce()
+            for i, p in enumerate(t.params):
+                kind = (i + step) % 3
+                if kind == 0:
+                    p.grad = None
+                elif kind == 1:
+                    p.grad = other[i].to(p.dtype)
+                else:
+                    p.grad.mul_(2.0)
+            t.opt.update()
+            t.opt.zero_grad()
+    _assert_same(device, fused)
+
+
 def test_zero_grad_drops_every_gradient():
     (trainer,) = _trainers(seed=17, impls=("device",))
     trainer.backward(_weights(trainer.params, torch.Generator().manual_seed(18)))
