@@ -1,4 +1,4 @@
-"""perf/bench_replicated_adam_pieces.py on the CPU: every piece timed inside its call, nothing left patched."""
+"""perf/bench_replicated_adam_pieces.py on the CPU: each piece timed inside its call, nothing left patched."""
 
 import json
 
