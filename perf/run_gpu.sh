@@ -9,6 +9,8 @@
 #                         (GPU_TESTS="tests/perf/test_bank_graphs.py tests/optim": only those paths; the
 #                         whole GPU suite takes over 10 minutes on one H100, so split it where calls are capped)
 #         replicated_adam perf/bench_replicated_adam.py -> perf/results/replicated_adam.json
+#         replicated_adam_pieces  perf/bench_replicated_adam_pieces.py (where each path's host time goes)
+#                                 -> perf/results/replicated_adam_pieces.json
 #         optimizer       perf/bench_optimizer.py --bank-update eager compiled triton --cascade-gram bmm triton \
 #                                                       --bank-graphs off on --top-kernels 12
 #                                                       -> perf/results/optimizer.json
@@ -28,12 +30,12 @@
 # exits 1 naming the failed stages. With $OUT set, the logs grow there and each stage's JSON (and RESULTS.md)
 # is copied there when the stage ends, so a run cut short still hands back what it did. Flat names, at most
 # 10 files come back from a lent machine, so name fewer stages there: pytest_gpu.log, bench.log,
-# <name>_log.txt, <name>_events.jsonl, <name>.json, replicated_adam.json, optimizer.json, train_step.json,
-# loss.json, scaling.json, RESULTS.md.
+# <name>_log.txt, <name>_events.jsonl, <name>.json, replicated_adam.json, replicated_adam_pieces.json,
+# optimizer.json, train_step.json, loss.json, scaling.json, RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-all_stages=(preset tests replicated_adam optimizer train_step loss levers scaling results)
+all_stages=(preset tests replicated_adam replicated_adam_pieces optimizer train_step loss levers scaling results)
 stages=("$@")
 [[ ${#stages[@]} -gt 0 ]] || stages=("${all_stages[@]}")
 for s in "${stages[@]}"; do
