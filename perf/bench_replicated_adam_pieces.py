@@ -14,8 +14,9 @@ nanoseconds each, charged to the piece). Pieces:
 - device: ``read_addresses`` (the 13 .grad reads), ``event_sync`` (the wait before the pinned rows are
   rewritten), ``gather_replay``, ``write_inputs`` (step counters and the per-step row), ``update_replay``,
   ``event_record``;
-- fused: ``foreach_copy`` (one per dtype), ``ring_wait`` (the upload ring's slot), ``table_write``,
-  ``upload`` (the pinned copy and its event), ``launch_0``/``launch_1`` (one Triton launch per dtype);
+- fused: ``foreach_copy`` (one per dtype), ``ring_wait`` (the upload ring's slot), ``table_write``, then
+  on CUDA ``graph_replay`` (the slot's upload and both launches) and ``event_record``, without CUDA graphs
+  ``upload`` (the copy and its event) and ``launch_0``/``launch_1`` (one Triton launch per dtype);
 - ``rest``: the call's time minus its pieces in the same repetition (Python between them, the no-op reduces
   of one process, the row writes into pinned memory).
 
@@ -41,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_replicated_adam as bench  # noqa: E402 - the sibling script, importable from its own folder
 
 from track_1_short.perf.graph_check import same_bits  # noqa: E402
+from track_1_short.perf.replicated_adam import SCALAR_TABLE_SLOTS  # noqa: E402
 
 SPIN_S = 0.003  # the spin kernel ahead of each repetition: longer than any path's enqueue (~1 ms at most)
 
@@ -98,10 +100,16 @@ def instrument_device(opt, clock: Clock) -> None:
 
 
 def instrument_fused(opt, clock: Clock) -> None:
+    """Clocks around the fused path's inner calls (on CUDA its slot graphs must be captured: run the ring's
+    slot count of steps first)."""
     opt._host_table.write = clock.wrap("table_write", opt._host_table.write)
     opt._ring.host_buffer = clock.wrap("ring_wait", opt._ring.host_buffer)
-    opt._ring.upload = clock.wrap("upload", opt._ring.upload)
-    opt._launches = [clock.wrap(f"launch_{k}", launch) for k, launch in enumerate(opt._launches)]
+    if opt._graphs is not None:
+        opt._graphs.run = clock.wrap("graph_replay", opt._graphs.run)
+        opt._ring.mark_uploaded = clock.wrap("event_record", opt._ring.mark_uploaded)
+    else:
+        opt._ring.upload = clock.wrap("upload", opt._ring.upload)
+        opt._launches = [clock.wrap(f"launch_{k}", launch) for k, launch in enumerate(opt._launches)]
 
 
 def measure_path(path_name: str, device, reps: int, warmup: int, block: int, spin) -> tuple[Clock, list]:
@@ -188,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reps", type=int, default=None, help="repetitions per path (default 400 cuda, 5 cpu)"
     )
-    parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (captures the graphs)")
+    parser.add_argument(
+        "--warmup", type=int, default=20, help="untimed steps first (captures the graphs: 8 slots for fused)"
+    )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -196,9 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    if args.warmup < 2:
-        parser.error(f"--warmup {args.warmup}: the device path captures its graphs in its first two steps")
     cuda = device.type == "cuda"
+    # The device path captures its graphs in its first two steps, the fused path one per ring slot.
+    minimum = SCALAR_TABLE_SLOTS if cuda else 2
+    if args.warmup < minimum:
+        parser.error(
+            f"--warmup {args.warmup}: at least {minimum} here, so that every graph is captured first"
+        )
     reps = args.reps or (400 if cuda else 5)
     block = 1024 if cuda else 65536
     spin = bench.SpinLead(device) if cuda else None

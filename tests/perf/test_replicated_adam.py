@@ -210,6 +210,25 @@ def test_upload_ring_rewrites_a_slot_only_after_waiting_on_its_previous_upload()
     assert len(made) == 3
 
 
+def test_a_slot_copied_by_someone_else_is_marked_uploaded_and_waited_on_before_its_next_write():
+    # The fused path's CUDA graphs copy the slot themselves; mark_uploaded() then records the slot's event.
+    log, made = [], []
+
+    def factory():
+        made.append(_FakeEvent(log, len(made)))
+        return made[-1]
+
+    target = torch.zeros(4)
+    ring = UploadRing(target, slots=2, event_factory=factory)
+    for step in range(5):
+        slot = ring.slot_index
+        ring.host_buffer()[:] = step
+        target.copy_(ring.slot_tensor(slot))  # what a graph's copy node does
+        ring.mark_uploaded()
+        assert ring.slot_index == (slot + 1) % 2 and torch.equal(target, torch.full((4,), float(step)))
+    assert log == [(kind, step % 2) for step in range(5) for kind in ("wait", "record")]
+
+
 @pytest.mark.gpu
 def test_cuda_table_goes_through_pinned_slots_each_with_an_event():
     params, cfgs, states = make_inventory(seed=7, device="cuda")
@@ -228,6 +247,75 @@ def test_cuda_table_goes_through_pinned_slots_each_with_an_event():
         torch.cuda.synchronize()
         slot = ring._slots[step % SCALAR_TABLE_SLOTS]
         assert torch.equal(opt.table.cpu(), slot) and ring._events[step % SCALAR_TABLE_SLOTS].query()
+
+
+def _graphs_and_eager(seed):
+    params, cfgs, states = make_inventory(seed=seed, wd_boost=100.0, device="cuda")
+    _randomise_moments(states, seed=seed + 1)
+    twin = clone_inventory(params, cfgs, states)
+    graphed = ReplicatedAdam(params, cfgs, states, "cuda")
+    eager = ReplicatedAdam(*twin, "cuda", use_cuda_graphs=False)
+    assert graphed._graphs is not None and eager._graphs is None
+    return graphed, eager
+
+
+def _graphs_schedule(step, params):
+    """Missing gradients on some steps, every bf16 parameter's on one (a dtype with no active parameter)."""
+    if step == 5:
+        return {i for i, p in enumerate(params) if p.dtype == torch.bfloat16}
+    return {step % len(params)} if step % 3 == 0 else set()
+
+
+@pytest.mark.gpu
+def test_the_fused_update_as_cuda_graphs_gives_the_eager_bits_through_every_slot():
+    graphed, eager = _graphs_and_eager(seed=40)
+    gen = torch.Generator().manual_seed(41)
+    for step in range(3 * SCALAR_TABLE_SLOTS):
+        grads = random_grads(graphed.params, gen, _graphs_schedule(step, graphed.params))
+        if step == 2 * SCALAR_TABLE_SLOTS:  # betas and eps reach the kernels as table data: no recapture
+            for opt in (graphed, eager):
+                opt.param_cfgs[1].adam_betas = [0.8, 0.95]
+                opt.param_cfgs[1].eps = 1e-8
+        for opt in (graphed, eager):
+            for cfg in opt.param_cfgs:
+                cfg.lr = 0.008 * (1.0 - step / 40)
+            _set_grads(opt.params, [None if g is None else g.cuda() for g in grads])
+            opt.launch_reduce()
+            opt.update()
+            opt.zero_grad()
+    torch.cuda.synchronize()
+    assert graphed._graphs.enabled and all(g is not None for g in graphed._graphs.graphs)
+    _assert_same_state(graphed.params, graphed.param_states, eager.params, eager.param_states)
+
+
+@pytest.mark.gpu
+def test_a_fused_update_graph_that_disagrees_is_dropped_with_a_warning_and_the_step_stays_right(monkeypatch):
+    graphed, eager = _graphs_and_eager(seed=42)
+    graphs = graphed._graphs
+    original, calls = graphs._eager, [0]
+
+    def eager_then_wrong(slot):
+        original(slot)
+        calls[0] += 1
+        if calls[0] == 2:  # the call inside the capture: the graph writes one more value
+            graphed.groups[0].exp_avg.add_(1.0)
+
+    monkeypatch.setattr(graphs, "_eager", eager_then_wrong)
+    gen = torch.Generator().manual_seed(43)
+    for step in range(4):
+        grads = random_grads(graphed.params, gen)
+        for opt in (graphed, eager):
+            _set_grads(opt.params, [g.cuda() for g in grads])
+            opt.launch_reduce()
+            if opt is graphed and step == 0:
+                with pytest.warns(UserWarning, match=r"fused replicated Adam update disagrees .*exp_avg"):
+                    opt.update()
+            else:
+                opt.update()
+            opt.zero_grad()
+    torch.cuda.synchronize()
+    assert not graphs.enabled and all(g is None for g in graphs.graphs)
+    _assert_same_state(graphed.params, graphed.param_states, eager.params, eager.param_states)
 
 
 @pytest.mark.gpu

@@ -114,6 +114,11 @@ class OptimConfig:
     bitwise equal at the same speed (perf/RESULTS.md, record_1gpu_det_*.json), since the step is GPU-bound
     and waits for none of the host work that "device" removes (111 against 238 host us per Adam step in
     perf/bench_replicated_adam.py); so the path with fewer moving parts stays the default."""
+    replicated_graphs: bool = True
+    """On CUDA, replay the replicated Adam step's launches as CUDA graphs: "fused" one graph per step (the
+    table's upload and both dtypes' kernels: perf/replicated_adam_graphs.py), "device" its gather, reduce
+    and update graphs. Each graph is trusted only after one replay matched the eager step bit for bit, so the
+    parameters are the same either way; false launches every kernel from Python."""
     scalar_upload: str = "batched"
     """How set_schedule sends the banks' per-step scalars (rail betas, decay, per-matrix lr) to the device:
     "batched" (one host row for every bank, one pinned non-blocking copy a step:
@@ -185,6 +190,8 @@ def validate_optim_config(cfg) -> None:
         raise ValueError(f"optim.scalar_upload={cfg.scalar_upload!r} must be one of {list(SCALAR_UPLOADS)}.")
     if cfg.bank_update not in BANK_UPDATES:
         raise ValueError(f"optim.bank_update={cfg.bank_update!r} must be one of {list(BANK_UPDATES)}.")
+    if not isinstance(cfg.replicated_graphs, bool):
+        raise ValueError(f"optim.replicated_graphs={cfg.replicated_graphs!r} must be true or false.")
     if not isinstance(cfg.bank_graphs, bool):
         raise ValueError(f"optim.bank_graphs={cfg.bank_graphs!r} must be true or false.")
     if cfg.cascade_gram not in CASCADE_GRAMS:
@@ -316,6 +323,7 @@ class AnvilAndAdam:
                 [self.states[k] for k in labels],
                 self.device,
                 impl=cfg.replicated_impl,
+                use_cuda_graphs=cfg.replicated_graphs,
             )
         # value_embeds' table betas and wd_mul, which set_schedule squares / doubles on the long cadence, and
         # the Adam labels whose update waits for a later Adam step (their gradient keeps accumulating).

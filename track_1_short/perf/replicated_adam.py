@@ -10,7 +10,9 @@ foreach copy and one all_reduce(AVG) per dtype move the gradients, and one Trito
 every element, reading its parameter's hyperparameters from an [n_params, 8] scalar table by segment id; the
 table is built on the host (three of its eight columns a step, straight into a pinned slot: HostScalarTable)
 and uploaded once per step, and each launch replays the compiled kernel bound to the group's buffers
-(kernels.BoundLaunch) instead of going through Triton's JIT binder. Upstream measured about 7.5x fewer
+(kernels.BoundLaunch) instead of going through Triton's JIT binder; on CUDA the upload and the launches are
+one CUDA graph replay per step (perf/replicated_adam_graphs.py; ``use_cuda_graphs=False`` launches them
+eagerly). Upstream measured about 7.5x fewer
 microseconds per step than the per-parameter path on an H200 for the 13-tensor set;
 perf/bench_replicated_adam.py measures ours (perf/RESULTS.md). impl="device"
 (perf/replicated_adam_device.py) gathers the gradients and builds the table on the device, and replays the
@@ -404,6 +406,14 @@ class UploadRing:
             self._events[self._next].synchronize()
         return self._arrays[self._next]
 
+    @property
+    def slots(self) -> int:
+        return len(self._slots)
+
+    def slot_tensor(self, k: int) -> torch.Tensor:
+        """Slot ``k``'s host tensor (pinned on CUDA): what a CUDA graph that uploads it copies from."""
+        return self._slots[k]
+
     def upload(self) -> None:
         """Copy the buffer returned by host_buffer() to ``target`` (stream-ordered on CUDA)."""
         k = self._next
@@ -411,6 +421,12 @@ class UploadRing:
             self.target.copy_(self._slots[k])
             return
         self.target.copy_(self._slots[k], non_blocking=True)
+        self.mark_uploaded()
+
+    def mark_uploaded(self) -> None:
+        """Record the event of the slot just copied (by upload(), or by a CUDA graph that copies it) and move
+        to the next slot; host_buffer() waits for that event before the slot is written again."""
+        k = self._next
         if self._stream is not None:
             self._events[k].record(self._stream())
         else:
@@ -538,8 +554,13 @@ class ReplicatedAdam:
         self._handles: list[distributed.Handle] | None = None
         self._active: list[bool] | None = None
         self._addresses = self._current_addresses()
+        self._graphs = None
         if impl == "device":
             self._device_mode = DeviceStep(self, use_cuda_graphs=use_cuda_graphs)
+        elif use_cuda_graphs and device.type == "cuda":
+            from track_1_short.perf.replicated_adam_graphs import SlotGraphs
+
+            self._graphs = SlotGraphs(self)
 
     # ---- the step ------------------------------------------------------------------------------------------
 
@@ -580,6 +601,10 @@ class ReplicatedAdam:
             handle.wait()
         slot = self._ring.slot_index
         self._host_table.write(self._ring.host_buffer(), slot, active)
+        if self._graphs is not None and self._graphs.enabled:
+            self._graphs.run(slot)  # the slot's upload and every launch, one replay once captured
+            self._ring.mark_uploaded()
+            return
         self._ring.upload()
         for group, launch in zip(self.groups, self._launches):
             if any(active[i] for i in group.indices):

@@ -1,0 +1,89 @@
+"""The fused path's update as one CUDA graph per upload slot: the table's copy and both Triton launches.
+
+What it replaces (``ReplicatedAdam(impl="fused")`` on CUDA with ``use_cuda_graphs=True``, the default): per
+Adam step, the pinned table slot's copy to the device (a ``Tensor.copy_`` through torch's dispatcher) and one
+bound Triton launch per dtype, three host calls that each read the current stream and launch.
+
+Why it is faster: the three become one ``CUDAGraph.replay()``. The host still builds the table (the fused
+path's own HostScalarTable) and writes it into the ring's next pinned slot; each slot has its own graph,
+whose copy node reads that slot, so the data of every step (step sizes, weight decay, active flags, betas)
+travels as it did and nothing is captured but addresses that never change: the slot, the device table and
+the flat buffers. The graph always launches both kernels; a dtype whose parameters all lack a gradient is
+left as it was by the kernel itself (its rows have active = 0), where the eager path skips the launch.
+
+Invariants (tests/perf/test_replicated_adam.py, GPU): the graphs give the eager path's bits over steps
+that cycle through every slot, with missing gradients, a dtype with none and a change of betas; a graph is
+trusted only after one replay matched the eager step bit for bit (a mismatch warns and the path stays eager,
+the step's eager result kept); a slot is rewritten only after the event recorded behind its graph.
+
+Provenance: the fused path and its ring are perf/replicated_adam.py's; replaying a fixed-address step as a
+CUDA graph follows PyTorch's capturable optimizers and the device mode (perf/replicated_adam_device.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from track_1_short.perf.graph_check import same_bits
+
+
+class SlotGraphs:
+    """One CUDA graph per ring slot of a fused ReplicatedAdam: ``run(slot)`` uploads that slot's table and
+    launches every group's kernel, as a replay once the slot's graph is captured and checked."""
+
+    def __init__(self, owner):
+        self.owner = owner
+        self.graphs: list[torch.cuda.CUDAGraph | None] = [None] * owner._ring.slots
+        self.enabled = True
+
+    def _eager(self, slot: int) -> None:
+        owner = self.owner
+        owner.table.copy_(owner._ring.slot_tensor(slot), non_blocking=True)
+        for launch in owner._launches:
+            launch()
+
+    def _state(self) -> list[torch.Tensor]:
+        out = [self.owner.table.clone()]
+        for group in self.owner.groups:
+            out += [group.param.clone(), group.exp_avg.clone(), group.exp_avg_sq.clone()]
+        return out
+
+    def _load(self, state: list[torch.Tensor]) -> None:
+        self.owner.table.copy_(state[0])
+        for k, group in enumerate(self.owner.groups):
+            group.param.copy_(state[1 + 3 * k])
+            group.exp_avg.copy_(state[2 + 3 * k])
+            group.exp_avg_sq.copy_(state[3 + 3 * k])
+
+    def run(self, slot: int) -> None:
+        graph = self.graphs[slot]
+        if graph is not None:
+            graph.replay()
+            return
+        before = self._state()
+        self._eager(slot)
+        # Triton compiles and binds on a kernel's first launch, outside any capture: only now may it be
+        # captured (the eager launch above was that first launch for this slot's step at the latest).
+        eager = self._state()
+        self._load(before)
+        torch.cuda.synchronize(self.owner.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._eager(slot)
+        graph.replay()
+        names = ["table"] + [f"{g.dtype} {w}" for g in self.owner.groups for w in ("param", "m", "v")]
+        differing = [n for n, a, b in zip(names, eager, self._state()) if not same_bits(a, b)]
+        if differing:
+            self._load(eager)
+            self.enabled = False
+            self.graphs = [None] * len(self.graphs)
+            warnings.warn(
+                "the CUDA graph of the fused replicated Adam update disagrees with the eager update in "
+                f"{', '.join(differing)}; the fused path launches eagerly from now on "
+                "(use_cuda_graphs=False says so from the start)",
+                stacklevel=3,
+            )
+            return
+        self.graphs[slot] = graph
