@@ -186,16 +186,20 @@ class _FakeEvent:
         self.log.append(("wait", self.index))
 
 
-def test_upload_ring_rewrites_a_slot_only_after_waiting_on_its_previous_upload():
-    log = []
-    made = []
+def _fake_ring(slots):
+    """An UploadRing over a CPU target whose events log ("wait"/"record", slot): (ring, target, log, made)."""
+    log, made = [], []
 
     def factory():
         made.append(_FakeEvent(log, len(made)))
         return made[-1]
 
     target = torch.zeros(4)
-    ring = UploadRing(target, slots=3, event_factory=factory)
+    return UploadRing(target, slots=slots, event_factory=factory), target, log, made
+
+
+def test_upload_ring_rewrites_a_slot_only_after_waiting_on_its_previous_upload():
+    ring, target, log, made = _fake_ring(3)
     for step in range(7):
         buffer = ring.host_buffer()
         log.append(("write", ring.slot_index))
@@ -212,14 +216,7 @@ def test_upload_ring_rewrites_a_slot_only_after_waiting_on_its_previous_upload()
 
 def test_a_slot_copied_by_someone_else_is_marked_uploaded_and_waited_on_before_its_next_write():
     # The fused path's CUDA graphs copy the slot themselves; mark_uploaded() then records the slot's event.
-    log, made = [], []
-
-    def factory():
-        made.append(_FakeEvent(log, len(made)))
-        return made[-1]
-
-    target = torch.zeros(4)
-    ring = UploadRing(target, slots=2, event_factory=factory)
+    ring, target, log, _ = _fake_ring(2)
     for step in range(5):
         slot = ring.slot_index
         ring.host_buffer()[:] = step
