@@ -73,7 +73,9 @@ class SlotGraphs:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._eager(slot)
         graph.replay()
-        names = ["table"] + [f"{g.dtype} {w}" for g in self.owner.groups for w in ("param", "m", "v")]
+        names = ["table"] + [
+            f"{g.dtype} {w}" for g in self.owner.groups for w in ("param", "exp_avg", "exp_avg_sq")
+        ]
         differing = [n for n, a, b in zip(names, eager, self._state()) if not same_bits(a, b)]
         if differing:
             self._load(eager)
