@@ -125,3 +125,18 @@ def unpack(packed) -> torch.Tensor:
     dtype_name, shape, raw = packed
     dtype = getattr(torch, dtype_name.removeprefix("torch."))
     return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+
+def wrong_inside_the_capture(monkeypatch, owner, method: str, corrupt) -> None:
+    """Make ``owner.<method>`` run as before, then, on its second call (the one inside a CUDA graph capture,
+    after the eager one), also ``corrupt()``: the graph then writes one more value than the eager call did."""
+    original = getattr(owner, method)
+    calls = [0]
+
+    def eager_then_wrong(*args):
+        original(*args)
+        calls[0] += 1
+        if calls[0] == 2:
+            corrupt()
+
+    monkeypatch.setattr(owner, method, eager_then_wrong)

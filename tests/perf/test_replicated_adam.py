@@ -16,6 +16,7 @@ from tests.perf.replicated_adam_cases import (
     per_parameter_step,
     random_grads,
     unpack,
+    wrong_inside_the_capture,
 )
 from track_1_short.perf.replicated_adam import (
     SCALAR_TABLE_SLOTS,
@@ -289,15 +290,7 @@ def test_the_fused_update_as_cuda_graphs_gives_the_eager_bits_through_every_slot
 def test_a_fused_update_graph_that_disagrees_is_dropped_with_a_warning_and_the_step_stays_right(monkeypatch):
     graphed, eager = _graphs_and_eager(seed=42)
     graphs = graphed._graphs
-    original, calls = graphs._eager, [0]
-
-    def eager_then_wrong(slot):
-        original(slot)
-        calls[0] += 1
-        if calls[0] == 2:  # the call inside the capture: the graph writes one more value
-            graphed.groups[0].exp_avg.add_(1.0)
-
-    monkeypatch.setattr(graphs, "_eager", eager_then_wrong)
+    wrong_inside_the_capture(monkeypatch, graphs, "_eager", lambda: graphed.groups[0].exp_avg.add_(1.0))
     gen = torch.Generator().manual_seed(43)
     for step in range(4):
         grads = random_grads(graphed.params, gen)

@@ -16,6 +16,7 @@ from tests.perf.replicated_adam_cases import (
     pack,
     per_parameter_step,
     unpack,
+    wrong_inside_the_capture,
 )
 from track_1_short import distributed
 from track_1_short.optim.adam import first_moment_correction, second_moment_correction
@@ -413,21 +414,6 @@ def test_cuda_graph_mode_equals_the_fused_path_bitwise_over_a_hundred_adam_steps
         assert_bitwise(device.param_states[i]["exp_avg_sq"], fused.param_states[i]["exp_avg_sq"], f"v {i}")
 
 
-def _wrong_inside_the_capture(monkeypatch, step, method: str, corrupt) -> None:
-    """Make ``step.<method>`` run as before, then, on its second call (the one inside the capture), also
-    ``corrupt()``: the graph then writes one more value than the eager call did."""
-    original = getattr(step, method)
-    calls = [0]
-
-    def eager_then_wrong():
-        original()
-        calls[0] += 1
-        if calls[0] == 2:
-            corrupt()
-
-    monkeypatch.setattr(step, method, eager_then_wrong)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "method, buffer, match",
@@ -439,7 +425,7 @@ def _wrong_inside_the_capture(monkeypatch, step, method: str, corrupt) -> None:
 def test_cuda_graph_that_disagrees_with_the_eager_call_is_refused(monkeypatch, method, buffer, match):
     _, device = _cuda_pair(seed=27)
     step = device._device_mode
-    _wrong_inside_the_capture(monkeypatch, step, method, lambda: getattr(device.groups[0], buffer).add_(1.0))
+    wrong_inside_the_capture(monkeypatch, step, method, lambda: getattr(device.groups[0], buffer).add_(1.0))
     weights = [w.cuda() for w in _weights(device.params, torch.Generator().manual_seed(28))]
     with pytest.raises(RuntimeError, match=match):
         _cuda_step(device, weights, do_adam=True)
