@@ -247,6 +247,31 @@ def test_cuda_table_goes_through_pinned_slots_each_with_an_event():
         assert torch.equal(opt.table.cpu(), slot) and ring._events[step % SCALAR_TABLE_SLOTS].query()
 
 
+def test_a_flat_snapshot_loads_back_bit_for_bit_and_names_what_differs():
+    # What the CUDA-graph checks of both modes rewind with, and how they name a buffer a graph got wrong.
+    params, cfgs, states = make_inventory(seed=44)
+    _randomise_moments(states, seed=45)
+    opt = ReplicatedAdam(params, cfgs, states, "cpu")
+    opt.table.copy_(torch.randn(opt.table.shape, generator=torch.Generator().manual_seed(46)))
+    before = opt._flat_snapshot()
+    grads = [torch.full_like(g.grad, 3.0) for g in opt.groups]
+    for t in [opt.table] + [
+        getattr(g, n) for g in opt.groups for n in ("param", "grad", "exp_avg", "exp_avg_sq")
+    ]:
+        t.add_(1.0)
+    changed = opt._flat_snapshot()
+    assert opt._flat_snapshot_differences(before, changed) == ["table"] + [
+        f"{g.dtype} {n}" for g in opt.groups for n in ("param", "grad", "exp_avg", "exp_avg_sq")
+    ]
+    opt._load_flat_snapshot(before, grads)
+    after = opt._flat_snapshot()
+    assert opt._flat_snapshot_differences(before, after) == [f"{g.dtype} grad" for g in opt.groups]
+    for group, grad in zip(opt.groups, grads):
+        assert_bitwise(group.grad, grad, "gradients given to the load")
+    opt._load_flat_snapshot(before)
+    assert opt._flat_snapshot_differences(before, opt._flat_snapshot()) == []
+
+
 def _graphs_and_eager(seed):
     params, cfgs, states = make_inventory(seed=seed, wd_boost=100.0, device="cuda")
     _randomise_moments(states, seed=seed + 1)

@@ -52,6 +52,7 @@ import torch
 
 from track_1_short import distributed
 from track_1_short.optim.adam import AdamParamConfig, adam_step_scalars
+from track_1_short.perf.graph_check import same_bits
 from track_1_short.perf.kernels import replicated_adam as kernels
 from track_1_short.perf.kernels.replicated_adam import SCALAR_COLUMNS
 
@@ -59,6 +60,7 @@ from track_1_short.perf.kernels.replicated_adam import SCALAR_COLUMNS
 # GPU, so with 8 slots the wait on a slot's event returns at once; it only guards against overwriting a slot
 # whose copy has not run yet.
 SCALAR_TABLE_SLOTS = 8
+FLAT_BUFFERS = ("param", "grad", "exp_avg", "exp_avg_sq")  # a FlatGroup's buffers, in snapshot order
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 IMPLS = ("fused", "device")
@@ -617,6 +619,35 @@ class ReplicatedAdam:
             return
         for p in self.params:
             p.grad = None
+
+    # ---- snapshots for the CUDA-graph checks ------------------------------------------------------------
+
+    def _flat_snapshot(self) -> list[torch.Tensor]:
+        """Copies of the table and of every group's flat buffers (FLAT_BUFFERS order), for a graph's check."""
+        out = [self.table.clone()]
+        for group in self.groups:
+            out += [getattr(group, name).clone() for name in FLAT_BUFFERS]
+        return out
+
+    def _load_flat_snapshot(
+        self, snapshot: list[torch.Tensor], grads: list[torch.Tensor] | None = None
+    ) -> None:
+        """Copy a _flat_snapshot() back in place; ``grads`` (one per group), if given, stand in for its
+        gradients."""
+        self.table.copy_(snapshot[0])
+        for k, group in enumerate(self.groups):
+            for j, name in enumerate(FLAT_BUFFERS):
+                source = (
+                    grads[k]
+                    if grads is not None and name == "grad"
+                    else snapshot[1 + len(FLAT_BUFFERS) * k + j]
+                )
+                getattr(group, name).copy_(source)
+
+    def _flat_snapshot_differences(self, a: list[torch.Tensor], b: list[torch.Tensor]) -> list[str]:
+        """The names ("table", "<dtype> <buffer>") of the entries where two snapshots differ in their bits."""
+        names = ["table"] + [f"{g.dtype} {name}" for g in self.groups for name in FLAT_BUFFERS]
+        return [name for name, x, y in zip(names, a, b) if not same_bits(x, y)]
 
     # ---- invariants and state ------------------------------------------------------------------------------
 

@@ -307,21 +307,6 @@ class DeviceStep:
 
     # ---- CUDA graphs --------------------------------------------------------------------------------------
 
-    def _snapshot(self) -> list[torch.Tensor]:
-        out = [self.owner.table.clone()]
-        for group in self.groups:
-            out += [group.param.clone(), group.grad.clone(), group.exp_avg.clone(), group.exp_avg_sq.clone()]
-        return out
-
-    def _restore(self, snapshot: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        self.owner.table.copy_(snapshot[0])
-        for k, group in enumerate(self.groups):
-            param, _, exp_avg, exp_avg_sq = snapshot[1 + 4 * k : 5 + 4 * k]
-            group.param.copy_(param)
-            group.exp_avg.copy_(exp_avg)
-            group.exp_avg_sq.copy_(exp_avg_sq)
-            group.grad.copy_(grads[k])
-
     def _capture_gather(self) -> None:
         """Gather eagerly, then capture the gather (upload and kernel) and trust the graph only if one replay
         writes the same bits into buffers overwritten in between."""
@@ -355,11 +340,11 @@ class DeviceStep:
             handle.wait()
         capture_reduce = self.reduce_in_graph and self._pre_reduce is not None
         reduced = [group.grad.clone() for group in self.groups]
-        before = self._snapshot()
+        before = self.owner._flat_snapshot()
         self._launch_update_kernels()
-        eager = self._snapshot()
+        eager = self.owner._flat_snapshot()
 
-        self._restore(before, self._pre_reduce if capture_reduce else reduced)
+        self.owner._load_flat_snapshot(before, self._pre_reduce if capture_reduce else reduced)
         torch.cuda.synchronize(self.owner.device)
         if capture_reduce:
             self.reduce_graph = torch.cuda.CUDAGraph()
@@ -387,12 +372,8 @@ class DeviceStep:
                 for group, grad in zip(self.groups, reduced):
                     group.grad.copy_(grad)
         self.update_graph.replay()
-        replayed = self._snapshot()
         self._pre_reduce = None
-        names = ["table"] + [
-            f"{g.dtype} {w}" for g in self.groups for w in ("param", "grad", "exp_avg", "exp_avg_sq")
-        ]
-        differing = [name for name, a, b in zip(names, eager, replayed) if not same_bits(a, b)]
+        differing = self.owner._flat_snapshot_differences(eager, self.owner._flat_snapshot())
         if differing:
             self.reduce_graph = self.update_graph = None
             raise RuntimeError(

@@ -29,8 +29,6 @@ import warnings
 
 import torch
 
-from track_1_short.perf.graph_check import same_bits
-
 
 class SlotGraphs:
     """One CUDA graph per ring slot of a fused ReplicatedAdam: ``run(slot)`` uploads that slot's table and
@@ -47,41 +45,26 @@ class SlotGraphs:
         for launch in owner._launches:
             launch()
 
-    def _state(self) -> list[torch.Tensor]:
-        out = [self.owner.table.clone()]
-        for group in self.owner.groups:
-            out += [group.param.clone(), group.exp_avg.clone(), group.exp_avg_sq.clone()]
-        return out
-
-    def _load(self, state: list[torch.Tensor]) -> None:
-        self.owner.table.copy_(state[0])
-        for k, group in enumerate(self.owner.groups):
-            group.param.copy_(state[1 + 3 * k])
-            group.exp_avg.copy_(state[2 + 3 * k])
-            group.exp_avg_sq.copy_(state[3 + 3 * k])
-
     def run(self, slot: int) -> None:
         graph = self.graphs[slot]
         if graph is not None:
             graph.replay()
             return
-        before = self._state()
+        owner = self.owner
+        before = owner._flat_snapshot()
         self._eager(slot)
         # Triton compiles and binds on a kernel's first launch, outside any capture: only now may it be
         # captured (the eager launch above was that first launch for this slot's step at the latest).
-        eager = self._state()
-        self._load(before)
-        torch.cuda.synchronize(self.owner.device)
+        eager = owner._flat_snapshot()
+        owner._load_flat_snapshot(before)
+        torch.cuda.synchronize(owner.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._eager(slot)
         graph.replay()
-        names = ["table"] + [
-            f"{g.dtype} {w}" for g in self.owner.groups for w in ("param", "exp_avg", "exp_avg_sq")
-        ]
-        differing = [n for n, a, b in zip(names, eager, self._state()) if not same_bits(a, b)]
+        differing = owner._flat_snapshot_differences(eager, owner._flat_snapshot())
         if differing:
-            self._load(eager)
+            owner._load_flat_snapshot(eager)
             self.enabled = False
             self.graphs = [None] * len(self.graphs)
             warnings.warn(
