@@ -544,7 +544,7 @@ class ReplicatedAdam:
         self._launches = (
             [
                 kernels.bind_fused_adam(
-                    g.param, g.grad, g.exp_avg, g.exp_avg_sq, g.segment, self.table, block, zero_grad=False
+                    g.param, g.grad, g.exp_avg, g.exp_avg_sq, g.segment, self.table, block
                 )
                 for g in self.groups
             ]

@@ -283,7 +283,7 @@ class DeviceStep:
             self.inputs.copy_(self._pinned_inputs, non_blocking=True)
         kernels.device_scalar_table_(self.owner.table, self.inputs, self.corrections, self.correction_index)
         # The gather rewrites every element of the gradient buffers: nothing to clear here.
-        kernels.launch_fused_adam_groups(self.group_args, self.owner.table, self.owner.block, zero_grad=False)
+        kernels.launch_fused_adam_groups(self.group_args, self.owner.table, self.owner.block)
 
     def update(self) -> None:
         if not self._reduce_pending:

@@ -76,7 +76,6 @@ def _adam_block(
     segment_ptr,
     table_ptr,
     PARAM_BF16: tl.constexpr,
-    ZERO_GRAD: tl.constexpr,
     DIV_RN: tl.constexpr,
 ):
     seg = tl.load(segment_ptr + offs, mask=in_bounds, other=0)
@@ -118,9 +117,6 @@ def _adam_block(
         tl.store(param_ptr + offs, _round_to_bf16_bits(p), mask=mask)
     else:
         tl.store(param_ptr + offs, p, mask=mask)
-    if ZERO_GRAD:
-        # fused_adam_groups_(zero_grad=True): the buffer is left cleared for a caller that accumulates in it.
-        tl.store(grad_ptr + offs, tl.zeros_like(g).to(grad_ptr.dtype.element_ty), mask=in_bounds)
 
 
 @triton.jit
@@ -133,7 +129,6 @@ def _fused_adam_kernel(
     table_ptr,
     n_elements,
     PARAM_BF16: tl.constexpr,
-    ZERO_GRAD: tl.constexpr,
     DIV_RN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -148,7 +143,6 @@ def _fused_adam_kernel(
         segment_ptr,
         table_ptr,
         PARAM_BF16,
-        ZERO_GRAD,
         DIV_RN,
     )
 
@@ -171,7 +165,6 @@ def _fused_adam_two_groups_kernel(
     table_ptr,
     PARAM0_BF16: tl.constexpr,
     PARAM1_BF16: tl.constexpr,
-    ZERO_GRAD: tl.constexpr,
     DIV_RN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -189,7 +182,6 @@ def _fused_adam_two_groups_kernel(
             segment0_ptr,
             table_ptr,
             PARAM0_BF16,
-            ZERO_GRAD,
             DIV_RN,
         )
     else:
@@ -204,7 +196,6 @@ def _fused_adam_two_groups_kernel(
             segment1_ptr,
             table_ptr,
             PARAM1_BF16,
-            ZERO_GRAD,
             DIV_RN,
         )
 
@@ -341,25 +332,22 @@ def _div_rn(device: torch.device) -> bool:
     return device.type == "cuda" and inductor_divides_rn()
 
 
-def _fused_adam_launch(param, grad, exp_avg, exp_avg_sq, segment, scalars, block: int, zero_grad: bool):
+def _fused_adam_launch(param, grad, exp_avg, exp_avg_sq, segment, scalars, block: int):
     """(grid, arguments, constexprs, options) of one fused_adam_ launch."""
     n = param.numel()
     args = (_bits(param), _bits(grad), exp_avg, exp_avg_sq, segment, scalars, n)
     constexprs = {
         "PARAM_BF16": param.dtype in (torch.bfloat16, torch.int16),
-        "ZERO_GRAD": zero_grad,
         "DIV_RN": _div_rn(param.device),
         "BLOCK": block,
     }
     return (triton.cdiv(n, block),), args, constexprs, {"enable_fp_fusion": False, "num_warps": _NUM_WARPS}
 
 
-def launch_fused_adam(
-    param, grad, exp_avg, exp_avg_sq, segment, scalars, block: int, zero_grad: bool
-) -> None:
+def launch_fused_adam(param, grad, exp_avg, exp_avg_sq, segment, scalars, block: int) -> None:
     """The unchecked launch behind fused_adam_ (callers that validated their buffers once at construction)."""
     grid, args, constexprs, options = _fused_adam_launch(
-        param, grad, exp_avg, exp_avg_sq, segment, scalars, block, zero_grad
+        param, grad, exp_avg, exp_avg_sq, segment, scalars, block
     )
     _fused_adam_kernel[grid](*args, **constexprs, **options)
 
@@ -415,13 +403,11 @@ class BoundLaunch:
             self._runner = compiled[tuple(self.grid) + (1,) * (3 - len(self.grid))]
 
 
-def bind_fused_adam(
-    param, grad, exp_avg, exp_avg_sq, segment, scalars, block: int, zero_grad: bool
-) -> BoundLaunch:
+def bind_fused_adam(param, grad, exp_avg, exp_avg_sq, segment, scalars, block: int) -> BoundLaunch:
     """launch_fused_adam as a BoundLaunch over buffers that stay in place (validated by the caller)."""
     return BoundLaunch(
         _fused_adam_kernel,
-        *_fused_adam_launch(param, grad, exp_avg, exp_avg_sq, segment, scalars, block, zero_grad),
+        *_fused_adam_launch(param, grad, exp_avg, exp_avg_sq, segment, scalars, block),
     )
 
 
@@ -443,7 +429,7 @@ def fused_adam_(
     _check_block(block)
     _check_group("fused_adam_", param, grad, exp_avg, exp_avg_sq, segment)
     _check_table(scalars, param.device)
-    launch_fused_adam(param, grad, exp_avg, exp_avg_sq, segment, scalars, block, zero_grad=False)
+    launch_fused_adam(param, grad, exp_avg, exp_avg_sq, segment, scalars, block)
 
 
 def _two_group_split(groups: Sequence[tuple], block: int):
@@ -457,7 +443,7 @@ def _two_group_split(groups: Sequence[tuple], block: int):
     return first, second, n0, n1, blocks0, (blocks0 + triton.cdiv(n1, block),)
 
 
-def launch_fused_adam_groups(groups: Sequence[tuple], scalars, block: int, zero_grad: bool) -> None:
+def launch_fused_adam_groups(groups: Sequence[tuple], scalars, block: int) -> None:
     """The unchecked launch behind fused_adam_groups_."""
     first, second, n0, n1, blocks0, grid = _two_group_split(groups, block)
     _fused_adam_two_groups_kernel[grid](
@@ -477,7 +463,6 @@ def launch_fused_adam_groups(groups: Sequence[tuple], scalars, block: int, zero_
         scalars,
         PARAM0_BF16=first[0].dtype == torch.bfloat16,
         PARAM1_BF16=second[0].dtype == torch.bfloat16,
-        ZERO_GRAD=zero_grad,
         DIV_RN=_div_rn(first[0].device),
         enable_fp_fusion=False,
         BLOCK=block,
@@ -489,20 +474,16 @@ def fused_adam_groups_(
     groups: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
     scalars: torch.Tensor,
     *,
-    zero_grad: bool = False,
     block: int = DEFAULT_BLOCK,
 ) -> None:
-    """fused_adam_ over one or two flat groups (param, grad, exp_avg, exp_avg_sq, segment) in one launch.
-
-    With ``zero_grad`` every in-bounds gradient element is set to zero after it is read (active or not).
-    """
+    """fused_adam_ over one or two flat groups (param, grad, exp_avg, exp_avg_sq, segment) in one launch."""
     if not 1 <= len(groups) <= 2:
         raise ValueError(f"fused_adam_groups_ takes one or two groups, got {len(groups)}")
     _check_block(block)
     for k, group in enumerate(groups):
         _check_group(f"fused_adam_groups_ group {k}", *group)
         _check_table(scalars, group[0].device)
-    launch_fused_adam_groups(groups, scalars, block, zero_grad)
+    launch_fused_adam_groups(groups, scalars, block)
 
 
 def device_scalar_table_(
