@@ -217,7 +217,7 @@ def test_cascade_with_the_kernels_compiles_whole(backend):
 
 # -- the switch --
 def test_config_refuses_an_unknown_cascade_gram_by_name():
-    with pytest.raises(ValueError, match=r"optim\.cascade_gram='cuda'.*\['bmm', 'triton'\]"):
+    with pytest.raises(ValueError, match=r"optim\.cascade_gram='cuda'.*\['bmm', 'triton', 'folded'\]"):
         OptimConfig(cascade_gram="cuda")
 
 
@@ -238,7 +238,7 @@ def _bank_table(shape):
     return [("bank", p)], table
 
 
-@pytest.mark.parametrize("gram", ["bmm", "triton"])
+@pytest.mark.parametrize("gram", ["bmm", "triton", "folded"])
 def test_cascade_gram_reaches_the_bank_update_and_orthogonalize(gram, monkeypatch):
     seen = []
     real = anvil_bank.orthogonalize

@@ -141,8 +141,11 @@ class OptimConfig:
     (torch.bmm/baddbmm, the reference) or "triton" (track_1_short/perf/kernels/sym_gram.py: only the output
     tiles on or above the diagonal, mirrored; a little over half those multiply-adds). They agree within bf16
     rounding (tests/perf/test_sym_gram.py), not bitwise. "triton" needs CUDA, or Triton's interpreter on the
-    CPU (TRITON_INTERPRET=1, which CPU runs and tests set); it works with either bank_update. Off by default
-    until it is timed on a GPU: no measurement of it exists yet."""
+    CPU (TRITON_INTERPRET=1, which CPU runs and tests set); it works with either bank_update. "folded": bmm
+    with a X + X B computed as X (a I + B) and the normalisation carried by the first round's small factor,
+    so that five of the six applications are plain bmms and X is never copied or divided
+    (track_1_short/optim/polar_express.py); within rounding of "bmm", its spectrum in the same band
+    (tests/optim/test_polar_express.py)."""
     bank_graphs: bool = False
     """Capture each bank's update (whichever ``bank_update``) in a CUDA graph on its first step and replay it
     afterwards: one launch a bank instead of 25 to 100 from Python (track_1_short/perf/bank_graphs.py). The
