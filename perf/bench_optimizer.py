@@ -6,6 +6,7 @@
     python perf/bench_optimizer.py --bank-update eager triton --out /tmp/optimizer.json    # Triton kernels
     python perf/bench_optimizer.py --cascade-gram bmm triton --out /tmp/optimizer.json    # Gram kernels
     python perf/bench_optimizer.py --bank-update triton --bank-graphs off on --out /tmp/o.json  # CUDA graphs
+    python perf/bench_optimizer.py --bank-update triton --bank-streams off on --out /tmp/o.json  # streams
 
 The banks are the record's (reshape views): qk [48, 256, 768] (wide), vo [16, 768, 768] (square), mlp
 [24, 2816, 768] (tall, c_proj x2, two frozen matrices), bf16, random weights and gradients. ``--shapes small``
@@ -24,7 +25,9 @@ there, so its ``cascade_ms`` is the eager cascade's):
 by class and the N costliest kernels (track_1_short/perf/kernel_profile.py, as perf/bench_train_step.py).
 
 Arms are crossed with ``--bank-graphs`` (``optim.bank_graphs``: ``off``, ``on``; default off): ``on``
-replays each bank's update from a CUDA graph (track_1_short/perf/bank_graphs.py), one launch a bank. Arms are
+replays each bank's update from a CUDA graph (track_1_short/perf/bank_graphs.py), one launch a bank, and with
+``--bank-streams`` (``optim.bank_streams``: ``off``, ``on``; default off): ``on`` runs each bank's update in
+the optimizer step on its own CUDA stream (track_1_short/perf/bank_streams.py). Arms are
 also crossed with ``--cascade-gram`` (``optim.cascade_gram``: ``bmm``, ``triton``; default bmm): what
 computes the cascade's symmetric products (track_1_short/perf/kernels/sym_gram.py). Its arms time the same
 update with the Gram kernels in place of bmm/baddbmm; ``cascade_ms`` shows their effect on the cascade alone.
@@ -146,6 +149,7 @@ def build(
     bank_update: str = "eager",
     cascade_gram: str = "bmm",
     bank_graphs: bool = False,
+    bank_streams: bool = False,
 ):
     gen = torch.Generator(device=device).manual_seed(0)
     named, table, grads = [], {}, {}
@@ -164,7 +168,9 @@ def build(
         }
         grads[label] = torch.randn(shape, generator=gen, device=device).bfloat16()
     order = list(banks)
-    cfg = OptimConfig(bank_update=bank_update, cascade_gram=cascade_gram, bank_graphs=bank_graphs)
+    cfg = OptimConfig(
+        bank_update=bank_update, cascade_gram=cascade_gram, bank_graphs=bank_graphs, bank_streams=bank_streams
+    )
     opt = AnvilAndAdam(named, table, order, order, cfg)
     opt.set_schedule(1.0, 0.93, 100)
     return named, opt, grads
@@ -181,8 +187,9 @@ def measure(
     cascade_gram: str = "bmm",
     bank_graphs: bool = False,
     top: int = 0,
+    bank_streams: bool = False,
 ) -> list[dict]:
-    named, opt, grads = build(banks, device, bank_update, cascade_gram, bank_graphs)
+    named, opt, grads = build(banks, device, bank_update, cascade_gram, bank_graphs, bank_streams)
     compiled = bank_update == "compiled"
     cascade = orthogonalize
     if compiled:
@@ -218,6 +225,7 @@ def measure(
                 "matrices": f"{chunk} x {r} x {c}",
                 "cascade_gram": cascade_gram,
                 "bank_graphs": bank_graphs,
+                "bank_streams": bank_streams,
                 **extra,
                 "step_ms": step_ms,
                 "cascade_ms": cascade_ms,
@@ -245,6 +253,7 @@ def measure(
             "matrices": "",
             "cascade_gram": cascade_gram,
             "bank_graphs": bank_graphs,
+            "bank_streams": bank_streams,
             "step_ms": total_ms,
             "cascade_ms": total["cascade_ms"],
             "cascade_ms_floor": total["cascade_ms_floor"],
@@ -265,31 +274,52 @@ def add_vs_eager(rows: list[dict]) -> None:
     def same(r: dict, *keys: str) -> tuple:
         return (r["bank"], *(r[k] for k in keys))
 
+    for r in rows:
+        r.setdefault("bank_streams", False)
     eager = {
-        same(r, "cascade_gram", "bank_graphs"): r["step_ms"] for r in rows if r["bank_update"] == "eager"
+        same(r, "cascade_gram", "bank_graphs", "bank_streams"): r["step_ms"]
+        for r in rows
+        if r["bank_update"] == "eager"
     }
-    bmm = {same(r, "bank_update", "bank_graphs"): r["step_ms"] for r in rows if r["cascade_gram"] == "bmm"}
-    plain = {same(r, "bank_update", "cascade_gram"): r["step_ms"] for r in rows if not r["bank_graphs"]}
+    bmm = {
+        same(r, "bank_update", "bank_graphs", "bank_streams"): r["step_ms"]
+        for r in rows
+        if r["cascade_gram"] == "bmm"
+    }
+    plain = {
+        same(r, "bank_update", "cascade_gram", "bank_streams"): r["step_ms"]
+        for r in rows
+        if not r["bank_graphs"]
+    }
+    serial = {
+        same(r, "bank_update", "cascade_gram", "bank_graphs"): r["step_ms"]
+        for r in rows
+        if not r["bank_streams"]
+    }
     both_grams = len({r["cascade_gram"] for r in rows}) > 1
     both_graphs = len({r["bank_graphs"] for r in rows}) > 1
+    both_streams = len({r["bank_streams"] for r in rows}) > 1
     for r in rows:
-        if same(r, "cascade_gram", "bank_graphs") in eager:
-            r["vs_eager"] = eager[same(r, "cascade_gram", "bank_graphs")] / r["step_ms"]
-        if both_grams and same(r, "bank_update", "bank_graphs") in bmm:
-            r["vs_bmm"] = bmm[same(r, "bank_update", "bank_graphs")] / r["step_ms"]
-        if both_graphs and same(r, "bank_update", "cascade_gram") in plain:
-            r["vs_ungraphed"] = plain[same(r, "bank_update", "cascade_gram")] / r["step_ms"]
+        if same(r, "cascade_gram", "bank_graphs", "bank_streams") in eager:
+            r["vs_eager"] = eager[same(r, "cascade_gram", "bank_graphs", "bank_streams")] / r["step_ms"]
+        if both_grams and same(r, "bank_update", "bank_graphs", "bank_streams") in bmm:
+            r["vs_bmm"] = bmm[same(r, "bank_update", "bank_graphs", "bank_streams")] / r["step_ms"]
+        if both_graphs and same(r, "bank_update", "cascade_gram", "bank_streams") in plain:
+            r["vs_ungraphed"] = plain[same(r, "bank_update", "cascade_gram", "bank_streams")] / r["step_ms"]
+        if both_streams and same(r, "bank_update", "cascade_gram", "bank_graphs") in serial:
+            r["vs_serial"] = serial[same(r, "bank_update", "cascade_gram", "bank_graphs")] / r["step_ms"]
 
 
 def print_table(rows: list[dict]) -> None:
     print(
-        f"{'bank':<28}{'arm':>9}{'gram':>7}{'graphs':>7}{'matrices':>18}{'step ms':>10}{'cascade':>10}"
-        f"{'floor':>9}{'rest':>10}{'floor':>9}"
+        f"{'bank':<28}{'arm':>9}{'gram':>7}{'graphs':>7}{'streams':>8}{'matrices':>18}{'step ms':>10}"
+        f"{'cascade':>10}{'floor':>9}{'rest':>10}{'floor':>9}"
     )
     for r in rows:
         print(
             f"{r['bank']:<28}{r['bank_update']:>9}{r['cascade_gram']:>7}"
-            f"{'on' if r['bank_graphs'] else 'off':>7}{r['matrices']:>18}"
+            f"{'on' if r['bank_graphs'] else 'off':>7}{'on' if r['bank_streams'] else 'off':>8}"
+            f"{r['matrices']:>18}"
             f"{r['step_ms']:>10.3f}{r['cascade_ms']:>10.3f}{r['cascade_ms_floor']:>9.3f}{r['rest_ms']:>10.3f}"
             f"{r['rest_ms_floor']:>9.3f}"
         )
@@ -326,6 +356,14 @@ def main(argv: list[str] | None = None) -> int:
         "with the others (default: off)",
     )
     parser.add_argument(
+        "--bank-streams",
+        nargs="+",
+        choices=("off", "on"),
+        default=None,
+        help="optim.bank_streams arms (on: each bank update on its own CUDA stream; CUDA only), crossed with "
+        "the others (default: off)",
+    )
+    parser.add_argument(
         "--top-kernels",
         type=int,
         default=0,
@@ -349,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     graph_arms = [arm == "on" for arm in (args.bank_graphs or ["off"])]
     if any(graph_arms) and not cuda:
         parser.error("--bank-graphs on needs CUDA (CUDA graphs); use --bank-graphs off on the CPU.")
+    stream_arms = [arm == "on" for arm in (args.bank_streams or ["off"])]
+    if any(stream_arms) and not cuda:
+        parser.error("--bank-streams on needs CUDA (CUDA streams); use --bank-streams off on the CPU.")
     if args.top_kernels and not cuda:
         parser.error("--top-kernels profiles CUDA kernels; leave it out on the CPU.")
     n = args.matmul_size or (8192 if cuda else 512)
@@ -363,12 +404,15 @@ def main(argv: list[str] | None = None) -> int:
         for arm in arms
         for gram in grams
         for graphs in graph_arms
-        for r in measure(banks, device, steps, warmup, tflops, gbps, arm, gram, graphs, args.top_kernels)
+        for streams in stream_arms
+        for r in measure(
+            banks, device, steps, warmup, tflops, gbps, arm, gram, graphs, args.top_kernels, streams
+        )
     ]
     add_vs_eager(rows)
     tables = {
         f"{r['bank']}, {r['bank_update']}, {r['cascade_gram']}, graphs {'on' if r['bank_graphs'] else 'off'}"
-        ": top kernels per update": r.pop("top_kernels")
+        f"{', streams on' if r['bank_streams'] else ''}: top kernels per update": r.pop("top_kernels")
         for r in rows
         if r.get("top_kernels")
     }
@@ -387,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             "bank_update": arms,
             "cascade_gram": grams,
             "bank_graphs": graph_arms,
+            "bank_streams": stream_arms,
             "timed_steps": steps,
             "matmul_tflops": tflops,
             "matmul_n": n,
@@ -406,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
                 "bank_graphs: optim.bank_graphs of the arm (each bank update replayed from a CUDA graph; "
                 "compile_s then includes the capture, and cascade_ms times the cascade replayed from a graph "
                 "too); vs_ungraphed: the ungraphed arm's step_ms over the row's",
+                "bank_streams: optim.bank_streams of the arm (each bank update on its own CUDA stream inside "
+                "the optimizer step; a bank row times its update alone, as without streams, so only the "
+                "all-banks row can differ); vs_serial: the arm without streams' step_ms over the row's",
                 "with --top-kernels: gpu_busy_pct, the share of the profiled span the GPU was busy over "
                 f"{PROFILED_UPDATES} updates of the bank (idle gaps: the host launching), gemm_pct and "
                 "other_kernel_pct its kernel time by class, and a table of its costliest kernels",

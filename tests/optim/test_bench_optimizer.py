@@ -139,3 +139,28 @@ def test_top_kernels_is_refused_on_the_cpu_before_anything_is_measured(tmp_path,
     with pytest.raises(SystemExit):
         run_small(bench, tmp_path, "--top-kernels", "5")
     assert "--top-kernels profiles CUDA kernels" in capsys.readouterr().err
+
+
+def test_the_bank_streams_arm_is_refused_on_the_cpu_and_paired_with_the_serial_one(tmp_path, capsys):
+    import pytest
+
+    bench = load_bench()
+    with pytest.raises(SystemExit):
+        run_small(bench, tmp_path, "--bank-streams", "off", "on")
+    assert "--bank-streams on needs CUDA" in capsys.readouterr().err
+    assert not (tmp_path / "optimizer.json").exists()
+    # vs_serial pairs each streamed row with the serial row of the same bank, update, Gram route and graphs.
+    rows = [
+        {
+            "bank": "all",
+            "bank_update": "triton",
+            "cascade_gram": "folded",
+            "bank_graphs": g,
+            "bank_streams": s,
+            "step_ms": ms,
+        }
+        for g, s, ms in [(False, False, 4.0), (False, True, 2.0), (True, False, 3.0), (True, True, 1.0)]
+    ]
+    bench.add_vs_eager(rows)
+    assert [r["vs_serial"] for r in rows] == [1.0, 2.0, 1.0, 3.0]
+    assert [r["vs_ungraphed"] for r in rows] == [1.0, 1.0, 4.0 / 3.0, 2.0]

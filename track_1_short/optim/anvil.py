@@ -26,7 +26,8 @@ rows sparsely; here it is a dense sharded Adam tensor, with the same arithmetic 
     Phase 0  (Adam steps) launch the replicated all_reduce(s)
     Phase 1  walking scatter_order: launch the async reduce_scatter of each sharded label due this step
     Phase 2  walking work_order: wait its reduce, update, launch its async all_gather; at the first replicated
-             label, update every replicated parameter at once
+             label, update every replicated parameter at once (with ``bank_streams``, each bank's update
+             goes on its own stream, and the banks' gathers follow all of them, still in work order)
     Phase 3  wait the gathers; copy lm_head^T into a tied embed; clear the gradients just used
 
 Dim 0 of sharded tensors (rows, or matrices of a bank) is padded to a multiple of the world size, so any world
@@ -154,6 +155,11 @@ class OptimConfig:
     the eager run's; replays are bitwise the ungraphed update (tests/perf/test_bank_graphs.py). CUDA only.
     Off: on one H200 the optimizer step for all banks went 4.53 -> 4.48 ms with it (perf/RESULTS.md,
     optimizer_graphs_h200.json), as the banks' kernels, not the host's launches, bound that step."""
+    bank_streams: bool = False
+    """Run each bank's update on a CUDA stream of its own, all launched before any is waited for, so that the
+    small banks' kernels run beside the MLP bank's (track_1_short/perf/bank_streams.py); the all-gathers of
+    the banks follow once every update is done. The same kernels on the same operands: bitwise the serial
+    order (tests/perf/test_bank_streams.py). CUDA only."""
     adam_every: int = 2
     """Adam updates on steps with step % adam_every == adam_every - 1 (upstream: odd steps)."""
     value_embed_period4_start: int = 336
@@ -198,6 +204,8 @@ def validate_optim_config(cfg) -> None:
         raise ValueError(f"optim.replicated_graphs={cfg.replicated_graphs!r} must be true or false.")
     if not isinstance(cfg.bank_graphs, bool):
         raise ValueError(f"optim.bank_graphs={cfg.bank_graphs!r} must be true or false.")
+    if not isinstance(cfg.bank_streams, bool):
+        raise ValueError(f"optim.bank_streams={cfg.bank_streams!r} must be true or false.")
     if cfg.cascade_gram not in CASCADE_GRAMS:
         raise ValueError(f"optim.cascade_gram={cfg.cascade_gram!r} must be one of {list(CASCADE_GRAMS)}.")
     if cfg.adam_every < 1:
@@ -298,11 +306,22 @@ class AnvilAndAdam:
             from track_1_short.perf.kernels.sym_gram import check_device
 
             check_device(self.device, "optim.cascade_gram=triton")  # here, not at the first step
+        self._bank_streams = None
+        if bank_shards and cfg.bank_streams:
+            from track_1_short.perf.bank_streams import BankStreams
+
+            self._bank_streams = BankStreams(bank_shards, self.device)  # refuses a non-CUDA device
+        update_fns = dict.fromkeys(bank_shards, update_fn)
         if bank_shards and cfg.bank_graphs:
             from track_1_short.perf.bank_graphs import GraphedBankUpdate
 
-            # One wrapper for every bank: one capture stream and one memory pool, replayed in work order.
-            update_fn = GraphedBankUpdate(bank_update_ if update_fn is None else update_fn, self.device)
+            base = bank_update_ if update_fn is None else update_fn
+            if self._bank_streams is None:
+                # One wrapper for every bank: one capture stream and one memory pool, replayed in work order.
+                shared = GraphedBankUpdate(base, self.device)
+                update_fns = dict.fromkeys(bank_shards, shared)
+            else:  # graphs replayed side by side must not share a pool (perf/bank_streams.py)
+                update_fns = {label: GraphedBankUpdate(base, self.device) for label in bank_shards}
         for label, shards in bank_shards.items():
             c = self.param_cfgs[label]
             self.banks[label] = AnvilBank(
@@ -313,7 +332,7 @@ class AnvilAndAdam:
                 slow_beta=cfg.slow_rail_beta,
                 margin=cfg.frobenius_margin,
                 scalars=None if self._bank_staging is None else self._bank_staging.view(label),
-                update_fn=update_fn,
+                update_fn=update_fns[label],
                 gram=cfg.cascade_gram,
             )
         self._fused = None
@@ -448,11 +467,18 @@ class AnvilAndAdam:
             reduces.pop(label).wait()
             shards, full = self.shards[label], self._sharded_view(label)
             shards.load_shard(full)
+            if c.optim == "anvil" and self._bank_streams is not None:
+                self._bank_streams.launch(label, self.banks[label].update)
+                continue  # its gather waits for the join below
             if c.optim == "anvil":
                 self.banks[label].update()
             else:
                 self._adam_shard_update(label)
             gathers.append((label, shards.gather(full)))
+        if self._bank_streams is not None:
+            # Every bank is launched: now the caller's stream waits for them, then gathers them (work order).
+            for label in self._bank_streams.join():
+                gathers.append((label, self.shards[label].gather(self._sharded_view(label))))
         # Phase 3: land the gathers, refresh a tied embed, clear the gradients that were used.
         for label, handle in gathers:
             handle.wait()
