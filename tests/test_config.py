@@ -78,6 +78,11 @@ def test_bank_update_switch_reaches_the_typed_config_eager_by_default_triton_in_
     for preset in ("record", "record_1gpu"):
         optim = to_object(compose_train(f"experiment={preset}")).optim
         assert (optim.bank_update, optim.cascade_gram) == ("triton", "folded"), preset
+    # Bank graphs and streams: measured on one GPU only, so in the one-GPU preset only.
+    one_gpu = to_object(compose_train("experiment=record_1gpu")).optim
+    assert (one_gpu.bank_graphs, one_gpu.bank_streams) == (True, True)
+    eight = to_object(compose_train("experiment=record")).optim
+    assert (eight.bank_graphs, eight.bank_streams, base.bank_graphs, base.bank_streams) == (False,) * 4
     assert to_object(compose_train("optim.bank_update=compiled")).optim.bank_update == "compiled"
     with pytest.raises(ConfigError, match=r"optim\.bank_update='fused'.*\['eager', 'compiled', 'triton'\]"):
         to_object(compose_train("optim.bank_update=fused"))
