@@ -153,13 +153,17 @@ class OptimConfig:
     afterwards: one launch a bank instead of 25 to 100 from Python (track_1_short/perf/bank_graphs.py). The
     first step runs eagerly, is rewound, captured and replayed, and the graph is kept only if its bits equal
     the eager run's; replays are bitwise the ungraphed update (tests/perf/test_bank_graphs.py). CUDA only.
-    Off: on one H200 the optimizer step for all banks went 4.53 -> 4.48 ms with it (perf/RESULTS.md,
-    optimizer_graphs_h200.json), as the banks' kernels, not the host's launches, bound that step."""
+    Off here, on in the one-GPU preset: alone it bought nothing where the host is fast (on one H200 the
+    optimizer step for all banks 4.53 -> 4.48 ms, optimizer_graphs_h200.json), but with bank_streams it took
+    stage 2 from 645.0 to 635.4 ms in the trainer on a slow H100 host (perf/RESULTS.md,
+    train_step_levers_streams.json)."""
     bank_streams: bool = False
     """Run each bank's update on a CUDA stream of its own, all launched before any is waited for, so that the
     small banks' kernels run beside the MLP bank's (track_1_short/perf/bank_streams.py); the all-gathers of
     the banks follow once every update is done. The same kernels on the same operands: bitwise the serial
-    order (tests/perf/test_bank_streams.py). CUDA only."""
+    order (tests/perf/test_bank_streams.py). CUDA only. On one H100 the step for all banks 4.11 -> 3.98 ms
+    with bank graphs (optimizer_streams.json); on in the one-GPU preset, off in the 8-GPU one until measured
+    there (its gathers would wait for every bank's update)."""
     adam_every: int = 2
     """Adam updates on steps with step % adam_every == adam_every - 1 (upstream: odd steps)."""
     value_embed_period4_start: int = 336
