@@ -347,22 +347,17 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="optim.cascade_gram arms, crossed with the bank_update arms (default: bmm)",
     )
-    parser.add_argument(
-        "--bank-graphs",
-        nargs="+",
-        choices=("off", "on"),
-        default=None,
-        help="optim.bank_graphs arms (on: each bank update replayed from a CUDA graph; CUDA only), crossed "
-        "with the others (default: off)",
-    )
-    parser.add_argument(
-        "--bank-streams",
-        nargs="+",
-        choices=("off", "on"),
-        default=None,
-        help="optim.bank_streams arms (on: each bank update on its own CUDA stream; CUDA only), crossed with "
-        "the others (default: off)",
-    )
+    for switch, what in (
+        ("bank_graphs", "each bank update replayed from a CUDA graph"),
+        ("bank_streams", "each bank update on its own CUDA stream"),
+    ):
+        parser.add_argument(
+            "--" + switch.replace("_", "-"),
+            nargs="+",
+            choices=("off", "on"),
+            default=None,
+            help=f"optim.{switch} arms (on: {what}; CUDA only), crossed with the others (default: off)",
+        )
     parser.add_argument(
         "--top-kernels",
         type=int,
@@ -385,11 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     if steps < 1 or warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0.")
     graph_arms = [arm == "on" for arm in (args.bank_graphs or ["off"])]
-    if any(graph_arms) and not cuda:
-        parser.error("--bank-graphs on needs CUDA (CUDA graphs); use --bank-graphs off on the CPU.")
     stream_arms = [arm == "on" for arm in (args.bank_streams or ["off"])]
-    if any(stream_arms) and not cuda:
-        parser.error("--bank-streams on needs CUDA (CUDA streams); use --bank-streams off on the CPU.")
+    for option, arms, what in (
+        ("--bank-graphs", graph_arms, "graphs"),
+        ("--bank-streams", stream_arms, "streams"),
+    ):
+        if any(arms) and not cuda:
+            parser.error(f"{option} on needs CUDA (CUDA {what}); use {option} off on the CPU.")
     if args.top_kernels and not cuda:
         parser.error("--top-kernels profiles CUDA kernels; leave it out on the CPU.")
     n = args.matmul_size or (8192 if cuda else 512)

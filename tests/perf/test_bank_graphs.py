@@ -71,15 +71,21 @@ def stand_in_optimizer(monkeypatch):
     return build(True)
 
 
-def test_the_switch_is_validated_and_refused_off_cuda_before_the_optimizer_exists():
-    with pytest.raises(ValueError, match=r"optim\.bank_graphs='yes' must be true or false"):
-        OptimConfig(bank_graphs="yes")
+def assert_switch_validated_and_refused_off_cuda(switch: str) -> None:
+    """``optim.<switch>`` must be a bool, and ``true`` on the CPU is refused by name before the optimizer
+    exists, the parameters untouched."""
+    with pytest.raises(ValueError, match=rf"optim\.{switch}='yes' must be true or false"):
+        OptimConfig(**{switch: "yes"})
     named = fm.make_params()
     before = snapshot(named)
-    with pytest.raises(RuntimeError, match=r"CUDA device.*on cpu\. Set optim\.bank_graphs=false"):
-        AnvilAndAdam(named, fm.param_table(), fm.SCATTER_ORDER, fm.WORK_ORDER, OptimConfig(bank_graphs=True))
+    with pytest.raises(RuntimeError, match=rf"CUDA device.*on cpu\. Set optim\.{switch}=false"):
+        AnvilAndAdam(named, fm.param_table(), fm.SCATTER_ORDER, fm.WORK_ORDER, OptimConfig(**{switch: True}))
     assert_tree_equal(snapshot(named), before)
     assert all(p.grad is None for _, p in named)
+
+
+def test_the_switch_is_validated_and_refused_off_cuda_before_the_optimizer_exists():
+    assert_switch_validated_and_refused_off_cuda("bank_graphs")
 
 
 def test_each_bank_is_captured_once_then_only_replayed_and_trains_like_the_plain_update(monkeypatch):

@@ -13,7 +13,7 @@ import torch
 
 from tests.optim import fake_model as fm
 from tests.optim.test_anvil import assert_tree_equal, run_steps, snapshot
-from tests.perf.test_bank_graphs import StandInGraphs
+from tests.perf.test_bank_graphs import StandInGraphs, assert_switch_validated_and_refused_off_cuda
 from tests.perf_scripts import load_perf_script
 from track_1_short.optim.anvil import AnvilAndAdam, OptimConfig
 from track_1_short.perf import bank_graphs, bank_streams
@@ -74,14 +74,7 @@ def recording_optimizer(monkeypatch, **cfg):
 
 
 def test_the_switch_is_validated_and_refused_off_cuda_before_the_optimizer_exists():
-    with pytest.raises(ValueError, match=r"optim\.bank_streams='yes' must be true or false"):
-        OptimConfig(bank_streams="yes")
-    named = fm.make_params()
-    before = snapshot(named)
-    with pytest.raises(RuntimeError, match=r"own CUDA stream.*on cpu\. Set optim\.bank_streams=false"):
-        AnvilAndAdam(named, fm.param_table(), fm.SCATTER_ORDER, fm.WORK_ORDER, OptimConfig(bank_streams=True))
-    assert_tree_equal(snapshot(named), before)
-    assert all(p.grad is None for _, p in named)
+    assert_switch_validated_and_refused_off_cuda("bank_streams")
 
 
 def test_every_bank_is_launched_before_any_is_waited_for_and_gathered_after_the_wait(monkeypatch):

@@ -263,7 +263,7 @@ def test_triton_cascade_gram_is_refused_at_construction_where_the_kernels_cannot
     named, table = _bank_table((2, 24, 16))
     with pytest.raises(RuntimeError, match=r"optim\.cascade_gram=triton"):
         AnvilAndAdam(named, table, ["bank"], ["bank"], OptimConfig(cascade_gram="triton"))
-    assert anvil.CASCADE_GRAMS == ("bmm", "triton")
+    assert anvil.CASCADE_GRAMS == ("bmm", "triton", "folded")
 
 
 def test_triton_cascade_gram_with_the_compiled_bank_update(monkeypatch):
