@@ -168,6 +168,16 @@ def test_on_cuda_a_capture_that_differs_from_the_eager_run_is_refused_and_the_st
     assert wrapper.captures == 0
 
 
+def step_side_by_side(runs, steps: int) -> None:
+    """``steps`` ANVIL steps of each (named, optimizer, gradients) that bench_optimizer.build returned, every
+    step feeding each optimizer the same gradients."""
+    for _ in range(steps):
+        for named, opt, grads in runs:
+            for label, p in named:
+                p.grad = grads[label]
+            opt.step(do_adam=False)
+
+
 @gpu
 def test_on_cuda_the_track1_banks_replay_bitwise_through_the_benchmarked_optimizer():
     # The bench's optimizer at the record's bank shapes (cuBLAS picks its kernels by shape): graphed and plain
@@ -175,11 +185,7 @@ def test_on_cuda_the_track1_banks_replay_bitwise_through_the_benchmarked_optimiz
     bench = load_perf_script("bench_optimizer")
     device = torch.device("cuda")
     runs = [bench.build(bench.TRACK1_BANKS, device, "triton", "bmm", graphs) for graphs in (False, True)]
-    for _ in range(3):
-        for named, opt, grads in runs:
-            for label, p in named:
-                p.grad = grads[label]
-            opt.step(do_adam=False)
+    step_side_by_side(runs, 3)
     (plain_named, plain, _), (graphed_named, graphed, _) = runs
     assert next(iter(graphed.banks.values())).update_fn.replays == 2 * len(graphed.banks)
     assert_tree_equal(snapshot(graphed_named), snapshot(plain_named))

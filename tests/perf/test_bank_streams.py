@@ -13,7 +13,11 @@ import torch
 
 from tests.optim import fake_model as fm
 from tests.optim.test_anvil import assert_tree_equal, run_steps, snapshot
-from tests.perf.test_bank_graphs import StandInGraphs, assert_switch_validated_and_refused_off_cuda
+from tests.perf.test_bank_graphs import (
+    StandInGraphs,
+    assert_switch_validated_and_refused_off_cuda,
+    step_side_by_side,
+)
 from tests.perf_scripts import load_perf_script
 from track_1_short.optim.anvil import AnvilAndAdam, OptimConfig
 from track_1_short.perf import bank_graphs, bank_streams
@@ -146,11 +150,7 @@ def test_on_cuda_the_track1_banks_on_streams_match_the_serial_order_bitwise():
         bench.build(bench.TRACK1_BANKS, device, "triton", "folded", True, bank_streams=streams)
         for streams in (False, True)
     ]
-    for _ in range(3):
-        for named, opt, grads in runs:
-            for label, p in named:
-                p.grad = grads[label]
-            opt.step(do_adam=False)
+    step_side_by_side(runs, 3)
     (serial_named, serial, _), (streamed_named, streamed, _) = runs
     assert_tree_equal(snapshot(streamed_named), snapshot(serial_named))
     assert_tree_equal(streamed.state_dict(), serial.state_dict())
