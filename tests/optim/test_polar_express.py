@@ -6,12 +6,15 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from track_1_short.optim import polar_express
 from track_1_short.optim.polar_express import ANVIL_MAPS, cascade_flops, orthogonalize, scaled_to_bf16
 
 # The track-1 bank matrices: qk 256 x 768 (wide), vo 768 x 768 (square), mlp 2816 x 768 (tall).
 BANK_SHAPES = {"qk": (256, 768), "vo": (768, 768), "mlp": (2816, 768)}
 # The routes through the cascade that need no Triton (tests/perf/test_sym_gram.py holds the "triton" one's).
-ROUTES = ["bmm", "folded"]
+ROUTES = ["bmm", "folded", "squared"]
+# The routes that fold a I + B (and the normalisation) into the small factor.
+FOLDED_ROUTES = ["folded", "squared"]
 # Normalised singular values below this are too small for six maps to lift to 1 (a random square matrix has
 # some); the band is claimed above it.
 LIFTED = 3e-3
@@ -192,13 +195,14 @@ FOLDED_CASES = [(1, 256, 768, "cpu"), (3, 96, 40, "cpu"), (2, 40, 96, "cpu"), (1
 ]
 
 
+@pytest.mark.parametrize("gram", FOLDED_ROUTES)
 @pytest.mark.parametrize("batch, rows, cols, device", FOLDED_CASES)
-def test_folded_cascade_is_within_rounding_of_the_reference_and_unbiased(batch, rows, cols, device):
+def test_folded_cascade_is_within_rounding_of_the_reference_and_unbiased(batch, rows, cols, device, gram):
     shape = (batch, rows, cols)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(shape, generator=gen).bfloat16().to(device)
     ref = orthogonalize(x).cpu()
-    out = orthogonalize(x, gram="folded").cpu()
+    out = orthogonalize(x, gram=gram).cpu()
     # Two routes that round differently, each within 0.5% of the exact map in spectrum: the 2% of the matrix
     # norm that the transpose test allows (measured on the CPU: 0.0065 to 0.012 over these shapes and seeds).
     assert _rel_err(out, ref) < 2e-2
@@ -209,8 +213,8 @@ def test_folded_cascade_is_within_rounding_of_the_reference_and_unbiased(batch, 
     assert abs(median - 1.0) < 2e-3, median
 
 
-def _large_passes(x: torch.Tensor, gram: str) -> list[str]:
-    """The ops of one cascade call whose output has as many elements as X, in order."""
+def _passes(x: torch.Tensor, gram: str, numel: int) -> list[str]:
+    """The ops of one cascade call whose output has ``numel`` elements, in order."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seen = []
@@ -219,7 +223,7 @@ def _large_passes(x: torch.Tensor, gram: str) -> list[str]:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             name = func.overloadpacket.__name__
-            if isinstance(out, torch.Tensor) and out.numel() == x.numel() and not func.is_view:
+            if isinstance(out, torch.Tensor) and out.numel() == numel and not func.is_view:
                 if not name.startswith("empty"):  # an allocation reads and writes nothing
                     seen.append(name)
             return out
@@ -234,16 +238,60 @@ def test_folded_cascade_touches_the_large_matrix_only_with_matmuls(shape):
     x = torch.randn(shape).bfloat16()
     # The reference divides X, then copies it into each baddbmm's output; folded, five rounds are a plain bmm
     # and the last a baddbmm (see polar_express's docstring for why that one stays).
-    assert _large_passes(x, "bmm") == ["div"] + ["baddbmm"] * len(ANVIL_MAPS)
-    assert _large_passes(x, "folded") == ["bmm"] * (len(ANVIL_MAPS) - 1) + ["baddbmm"]
+    assert _passes(x, "bmm", x.numel()) == ["div"] + ["baddbmm"] * len(ANVIL_MAPS)
+    for gram in FOLDED_ROUTES:
+        assert _passes(x, gram, x.numel()) == ["bmm"] * (len(ANVIL_MAPS) - 1) + ["baddbmm"], gram
 
 
-def test_folded_cascade_compiles_whole_to_the_same_bits():
+@pytest.mark.parametrize("shape", [(2, 96, 40), (2, 40, 96)])
+def test_squared_cascade_forms_the_polynomial_with_plain_bmms_until_the_last_round(shape):
+    x = torch.randn(shape).bfloat16()
+    small = 2 * min(shape[1:]) ** 2  # [B, s, s]
+    # folded: every round's b A + c A A is a baddbmm (its input copied into the output first); squared: the
+    # shifted Gram times itself, a bmm, in all but the last round, which stays the reference's.
+    assert _passes(x, "folded", small).count("baddbmm") == len(ANVIL_MAPS)
+    ops = _passes(x, "squared", small)
+    assert ops.count("baddbmm") == 1 and ops[-1] == "baddbmm", ops
+    assert ops.count("bmm") == 2 * len(ANVIL_MAPS) - 1, ops  # six Grams and five squares
+
+
+def test_squared_rounds_carry_the_reference_recurrence_through_their_scales():
+    # The algebra alone, in float64 where rounding is negligible: the reference's rounds on the normalised X
+    # against the squared route's constants on the raw X (shifted Gram, square, diagonal add, the first
+    # round's factor lambda_1 c_0 / d), compared before the last round, where lambda must be 1.
+    gen = torch.Generator().manual_seed(11)
+    raw = torch.randn(3, 48, 20, generator=gen, dtype=torch.float64) * 7.0
+    d = 1.05 * raw.norm(dim=(-2, -1), keepdim=True)
+    ref = raw / d
+    for a, b, c in ANVIL_MAPS[:-1]:
+        gram = ref.mT @ ref
+        ref = a * ref + ref @ (b * gram + c * gram @ gram)
+    rounds, first_factor = polar_express._squared_rounds(ANVIL_MAPS)
+    eye = torch.eye(20, dtype=torch.float64)
+    x = raw
+    for k, (delta, gamma) in enumerate(rounds):
+        gram = x.mT @ x
+        if k == 0:
+            gram = gram / d**2
+        factor = (gram + delta * eye) @ (gram + delta * eye) + gamma * eye
+        if k == 0:
+            factor = factor * first_factor / d
+        x = x @ factor
+    assert float((x - ref).abs().max() / ref.abs().max()) < 1e-10
+
+
+def test_squared_rounds_refuse_maps_whose_square_cannot_be_completed():
+    with pytest.raises(ValueError, match="c > 0"):
+        polar_express._squared_rounds(((3.0, -6.0, 4.0), (2.0, -1.0, 0.0), (2.0, -1.0, 1.0)))
+
+
+@pytest.mark.parametrize("gram", FOLDED_ROUTES)
+def test_folded_cascade_compiles_whole_to_the_same_bits(gram):
     # optim.bank_update=compiled traces the cascade with fullgraph=True: the in-place diagonal add must trace.
     # aot_eager runs the traced graph's ops one by one, so the bits are the eager route's (Inductor may fuse
     # the diagonal add and the scale, rounding once where eager rounds twice: within the routes' bound).
     torch._dynamo.reset()
     x = torch.randn(2, 48, 24, generator=torch.Generator().manual_seed(8)).bfloat16()
     compiled = torch.compile(orthogonalize, backend="aot_eager", fullgraph=True, dynamic=False)
-    assert torch.equal(compiled(x, 1.05, "folded"), orthogonalize(x, gram="folded"))
+    assert torch.equal(compiled(x, 1.05, gram), orthogonalize(x, gram=gram))
     torch._dynamo.reset()

@@ -217,7 +217,9 @@ def test_cascade_with_the_kernels_compiles_whole(backend):
 
 # -- the switch --
 def test_config_refuses_an_unknown_cascade_gram_by_name():
-    with pytest.raises(ValueError, match=r"optim\.cascade_gram='cuda'.*\['bmm', 'triton', 'folded'\]"):
+    with pytest.raises(
+        ValueError, match=r"optim\.cascade_gram='cuda'.*\['bmm', 'triton', 'folded', 'squared'\]"
+    ):
         OptimConfig(cascade_gram="cuda")
 
 
@@ -238,7 +240,7 @@ def _bank_table(shape):
     return [("bank", p)], table
 
 
-@pytest.mark.parametrize("gram", ["bmm", "triton", "folded"])
+@pytest.mark.parametrize("gram", ["bmm", "triton", "folded", "squared"])
 def test_cascade_gram_reaches_the_bank_update_and_orthogonalize(gram, monkeypatch):
     seen = []
     real = anvil_bank.orthogonalize
@@ -263,7 +265,7 @@ def test_triton_cascade_gram_is_refused_at_construction_where_the_kernels_cannot
     named, table = _bank_table((2, 24, 16))
     with pytest.raises(RuntimeError, match=r"optim\.cascade_gram=triton"):
         AnvilAndAdam(named, table, ["bank"], ["bank"], OptimConfig(cascade_gram="triton"))
-    assert anvil.CASCADE_GRAMS == ("bmm", "triton", "folded")
+    assert anvil.CASCADE_GRAMS == ("bmm", "triton", "folded", "squared")
 
 
 def test_triton_cascade_gram_with_the_compiled_bank_update(monkeypatch):
