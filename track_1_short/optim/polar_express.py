@@ -134,8 +134,17 @@ def scaled_to_bf16(t: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
     The spelled-out form runs three kernels and writes two fp32 copies of ``t``: for the MLP bank's 52M
     elements, about 1 GB of memory traffic where this moves 0.2 GB. The division's inputs are promoted to
     fp32 inside the kernel and the result is rounded on its store (tests/optim/test_polar_express.py checks
-    the bits against the spelled-out form)."""
-    return torch.div(t, divisor, out=torch.empty_like(t))
+    the bits against the spelled-out form). On CUDA, outside torch.compile, a contiguous bf16 [B, rows, cols]
+    with an fp32 [B, 1, 1] divisor goes through :mod:`track_1_short.perf.kernels.bf16_div` instead: the same
+    bits (tests/perf/test_bf16_div.py) at about the copy rate, where torch's mixed-dtype broadcast division
+    runs at a quarter of it."""
+    out = torch.empty_like(t)
+    if t.is_cuda and not torch.compiler.is_compiling():
+        from track_1_short.perf.kernels import bf16_div  # Triton is imported only for CUDA tensors
+
+        if bf16_div.supports(t, divisor):
+            return bf16_div.div_(t, divisor, out)
+    return torch.div(t, divisor, out=out)
 
 
 def orthogonalize(x: torch.Tensor, margin: float = 1.05, gram: str = "bmm") -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""One Triton kernel: a bf16 batch of matrices divided by one fp32 number per matrix, rounded once to bf16.
+
+What it replaces: ``torch.div(t, divisor, out=torch.empty_like(t))`` on CUDA, with t bf16 [B, rows, cols] and
+divisor fp32 [B, 1, 1], the cascade's normalisation (:func:`track_1_short.optim.polar_express.scaled_to_bf16`
+calls this on contiguous CUDA inputs outside torch.compile).
+
+Why it is faster: the mixed-dtype, broadcast division goes through TensorIterator's non-vectorised path
+with a dynamic cast per element; on an H100 the two such divisions of a squared-cascade MLP bank update took
+0.137 ms for 2 x 28 MB of bf16 (perf/results/optimizer_preset.json's kernel table), about a quarter of the
+copy rate. Here each program reads a contiguous block of one matrix in wide loads, reads its divisor once,
+and writes bf16.
+
+Invariants (tests/perf/test_bf16_div.py, under the interpreter on the CPU and on the GPU): the bits of
+torch.div's for every finite input (the quotient in fp32 with IEEE division, ``div_rn``; Triton's ``/`` is
+the approximate div.full.f32; then round to nearest even in integer arithmetic, kernels/bf16_bits.py); a
+NaN comes out as the canonical 0x7FFF, not necessarily torch's NaN pattern.
+
+Provenance: an elementwise kernel in the form of Triton's vector-add tutorial, with a second grid axis for
+the matrix, as PyTorch's own broadcast kernels index theirs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from track_1_short.perf.kernels.bf16_bits import load_bf16, round_to_bf16_bits
+from track_1_short.perf.kernels.interpreter import check_device as _check_device
+from track_1_short.perf.kernels.interpreter import runs_interpreted
+
+BLOCK = 4096  # elements per program: 16 a thread over 8 warps, two 16-byte loads each
+NUM_WARPS = 8
+
+
+@triton.jit
+def _div_kernel(t_ptr, divisor_ptr, out_ptr, per_matrix, BLOCK: tl.constexpr, WIDEN: tl.constexpr):
+    matrix = tl.program_id(1).to(tl.int64)
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < per_matrix
+    base = matrix * per_matrix
+    values = load_bf16(t_ptr + base + offsets, inside, WIDEN).to(tl.float32)
+    divisor = tl.load(divisor_ptr + matrix)
+    tl.store(out_ptr + base + offsets, round_to_bf16_bits(tl.math.div_rn(values, divisor)), mask=inside)
+
+
+_INTERPRETED = runs_interpreted(_div_kernel)  # once, at import (interpreter.runs_interpreted says why)
+
+
+def supports(t: torch.Tensor, divisor: torch.Tensor) -> bool:
+    """Whether :func:`div_` takes these inputs: bf16 t [B, rows, cols] contiguous, fp32 divisor [B, 1, 1]
+    contiguous, on one device."""
+    return (
+        t.dim() == 3
+        and t.dtype == torch.bfloat16
+        and t.is_contiguous()
+        and divisor.dtype == torch.float32
+        and tuple(divisor.shape) == (t.size(0), 1, 1)
+        and divisor.is_contiguous()
+        and divisor.device == t.device
+    )
+
+
+def div_(t: torch.Tensor, divisor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[b] = (t[b].float() / divisor[b]).bfloat16(), bitwise, for inputs that :func:`supports` takes and a
+    bf16 ``out`` shaped as t. Returns ``out``."""
+    _check_device(t.device, "bf16_div.div_", _INTERPRETED, "bf16_div", "torch.div")
+    if not supports(t, divisor):
+        raise ValueError(
+            f"bf16_div.div_: expected a contiguous bf16 [B, rows, cols] and a contiguous fp32 [B, 1, 1] on one "
+            f"device, got {t.dtype} {tuple(t.shape)} and {divisor.dtype} {tuple(divisor.shape)}; use torch.div"
+        )
+    if out.shape != t.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"bf16_div.div_: out must be a contiguous bf16 {tuple(t.shape)}, got {out.dtype} "
+                         f"{tuple(out.shape)}")  # fmt: skip
+    per_matrix = t[0].numel() if t.size(0) else 0
+    if per_matrix == 0:
+        return out
+    grid = (triton.cdiv(per_matrix, BLOCK), t.size(0))
+    _div_kernel[grid](
+        t.view(torch.int16) if _INTERPRETED else t,
+        divisor,
+        out.view(torch.int16),
+        per_matrix,
+        BLOCK=BLOCK,
+        WIDEN=_INTERPRETED,
+        num_warps=NUM_WARPS,
+    )
+    return out
