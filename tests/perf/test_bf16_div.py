@@ -56,7 +56,9 @@ def test_quotients_at_bf16_ties_round_as_torch_div_rounds_them(device):
     n = 512  # programs: the interpreter runs them one by one
     t = (torch.randn(n, generator=gen) * 4).bfloat16()
     t[t == 0] = 1.0
-    tie_bits = (torch.randn(n, generator=gen).bfloat16().float().view(torch.int32) | 0x8000).view(torch.float32)
+    tie_bits = (torch.randn(n, generator=gen).bfloat16().float().view(torch.int32) | 0x8000).view(
+        torch.float32
+    )
     divisor = (t.double() / tie_bits.double()).float()
     t, divisor = t.view(n, 1, 1).to(device), divisor.view(n, 1, 1).to(device)
     out = bf16_div.div_(t, divisor, torch.empty_like(t))

@@ -67,8 +67,9 @@ def div_(t: torch.Tensor, divisor: torch.Tensor, out: torch.Tensor) -> torch.Ten
     _check_device(t.device, "bf16_div.div_", _INTERPRETED, "bf16_div", "torch.div")
     if not supports(t, divisor):
         raise ValueError(
-            f"bf16_div.div_: expected a contiguous bf16 [B, rows, cols] and a contiguous fp32 [B, 1, 1] on one "
-            f"device, got {t.dtype} {tuple(t.shape)} and {divisor.dtype} {tuple(divisor.shape)}; use torch.div"
+            "bf16_div.div_: expected a contiguous bf16 [B, rows, cols] and a contiguous fp32 [B, 1, 1] on one"
+            f" device, got {t.dtype} {tuple(t.shape)} and {divisor.dtype} {tuple(divisor.shape)};"
+            " use torch.div"
         )
     if out.shape != t.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError(f"bf16_div.div_: out must be a contiguous bf16 {tuple(t.shape)}, got {out.dtype} "
