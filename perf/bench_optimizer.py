@@ -28,9 +28,10 @@ Arms are crossed with ``--bank-graphs`` (``optim.bank_graphs``: ``off``, ``on``;
 replays each bank's update from a CUDA graph (track_1_short/perf/bank_graphs.py), one launch a bank, and with
 ``--bank-streams`` (``optim.bank_streams``: ``off``, ``on``; default off): ``on`` runs each bank's update in
 the optimizer step on its own CUDA stream (track_1_short/perf/bank_streams.py). Arms are
-also crossed with ``--cascade-gram`` (``optim.cascade_gram``: ``bmm``, ``triton``; default bmm): what
-computes the cascade's symmetric products (track_1_short/perf/kernels/sym_gram.py). Its arms time the same
-update with the Gram kernels in place of bmm/baddbmm; ``cascade_ms`` shows their effect on the cascade alone.
+also crossed with ``--cascade-gram`` (``optim.cascade_gram``: ``bmm``, ``triton``, ``folded``, ``squared``;
+default bmm): the cascade's route (track_1_short/optim/polar_express.py; ``triton``: the symmetric Gram kernels
+of track_1_short/perf/kernels/sym_gram.py). Its arms time the same update through each route; ``cascade_ms``
+shows their effect on the cascade alone, perf/bench_cascade_products.py product by product.
 
 - ``bank_update``: the arm; ``cascade_gram``: the arm's Gram route; ``compile_s``: the compiled and triton
   arms' first ``update()`` of the bank (Dynamo and Inductor, or Triton's JIT of the kernels), wall seconds,
@@ -58,16 +59,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 
 from track_1_short.optim.anvil import BANK_UPDATES, CASCADE_GRAMS, AnvilAndAdam, OptimConfig
 from track_1_short.optim.polar_express import cascade_flops, orthogonalize
 from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
+from track_1_short.perf.bench_timing import copy_gbps, graph_replay, matmul_tflops, sync, time_ms
 from track_1_short.perf.kernel_profile import kernel_table_line, profile_device
 
 # label: (parameter shape, reshape, matrix_lr_mul), the record's banks (upstream-optim notes 3.1 and 3.5): mlp
@@ -88,59 +88,6 @@ PROFILED_UPDATES = 5  # bank updates under the profiler per row with --top-kerne
 BYTES_PER_ELEMENT_FLOOR = (
     28  # the elementwise part's least traffic per bank element, see the module docstring
 )
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn: Callable[[], None], device: torch.device, steps: int, warmup: int) -> float:
-    """Mean milliseconds of ``fn`` over ``steps`` calls after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / steps
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / steps
-
-
-def matmul_tflops(device: torch.device, n: int, repeats: int = 5) -> float:
-    """bf16 matmul rate: median over ``repeats`` of an n^3 product (2 n^3 FLOPs), in TFLOP/s."""
-    a = torch.randn(n, n, device=device).bfloat16()
-    b = torch.randn(n, n, device=device).bfloat16()
-    times = [time_ms(lambda: torch.mm(a, b), device, steps=3, warmup=1) for _ in range(repeats)]
-    return 2 * n**3 / (statistics.median(times) * 1e-3) / 1e12
-
-
-def copy_gbps(device: torch.device, numel: int, repeats: int = 5) -> float:
-    """Device copy rate in GB/s, counting the bytes read and the bytes written."""
-    src = torch.empty(numel, dtype=torch.float32, device=device).normal_()
-    dst = torch.empty_like(src)
-    times = [time_ms(lambda: dst.copy_(src), device, steps=5, warmup=1) for _ in range(repeats)]
-    return 2 * src.numel() * src.element_size() / (statistics.median(times) * 1e-3) / 1e9
-
-
-def graph_replay(fn: Callable[[], object], device: torch.device) -> Callable[[], None]:
-    """``fn`` captured in a CUDA graph (after one warm-up call on the capture stream); returns its replay."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    return graph.replay
 
 
 def build(

@@ -11,9 +11,12 @@
 #         replicated_adam perf/bench_replicated_adam.py -> perf/results/replicated_adam.json
 #         replicated_adam_pieces  perf/bench_replicated_adam_pieces.py (where each path's host time goes)
 #                                 -> perf/results/replicated_adam_pieces.json
-#         optimizer       perf/bench_optimizer.py --bank-update eager compiled triton --cascade-gram bmm triton \
+#         optimizer       perf/bench_optimizer.py --bank-update eager compiled triton \
+#                                                       --cascade-gram bmm triton squared \
 #                                                       --bank-graphs off on --top-kernels 12
 #                                                       -> perf/results/optimizer.json
+#         cascade_products  perf/bench_cascade_products.py --sym-configs (three tile settings)
+#                                                       -> perf/results/cascade_products.json
 #         train_step      perf/bench_train_step.py      -> perf/results/train_step.json
 #                         (TRAIN_STEP_ARGS="optim.bank_update=triton" TRAIN_STEP_NAME=train_step_triton_bank:
 #                         Hydra overrides, and the JSON's name, for a before/after pair)
@@ -35,7 +38,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-all_stages=(preset tests replicated_adam replicated_adam_pieces optimizer train_step loss levers scaling results)
+all_stages=(preset tests replicated_adam replicated_adam_pieces optimizer cascade_products train_step loss levers
+  scaling results)
 stages=("$@")
 [[ ${#stages[@]} -gt 0 ]] || stages=("${all_stages[@]}")
 for s in "${stages[@]}"; do
@@ -124,8 +128,10 @@ bench() {  # name: perf/bench_<name>.py --out perf/results/<name>.json
   # bench_train_step.py times Trainer.train_step under experiment=record_1gpu (input checks off, as in a record).
   local args=()
   # Every bank-update route against every Gram route: the arms the optimizer's defaults are chosen from.
-  [[ $1 != optimizer ]] || args=(--bank-update eager compiled triton --cascade-gram bmm triton --bank-graphs off on
-    --top-kernels 12)
+  [[ $1 != optimizer ]] || args=(--bank-update eager compiled triton --cascade-gram bmm triton squared
+    --bank-graphs off on --top-kernels 12)
+  # The symmetric Gram kernels' tiles beside cuBLAS, product by product.
+  [[ $1 != cascade_products ]] || args=(--sym-configs 128,64,8,4 64,64,4,3 128,128,8,3)
   # The fused loss kernel's grids (model.loss_programs_per_sm): the default is chosen from these rows.
   [[ $1 != loss ]] || args=(--programs-per-sm 0 1 2 4)
   # TRAIN_STEP_ARGS is a list of Hydra overrides: split on spaces on purpose.

@@ -127,6 +127,24 @@ def _poly(gram_matrix: torch.Tensor, b: float, c: float, gram: str) -> torch.Ten
     return torch.baddbmm(gram_matrix, gram_matrix, gram_matrix, beta=b, alpha=c)
 
 
+def _squared_poly(big_a: torch.Tensor, delta: float, gamma: float) -> torch.Tensor:
+    # (A + delta I)^2 + gamma I, [B, s, s]; shifts the Gram in place (a fresh tensor the caller gives up).
+    big_a.diagonal(dim1=-2, dim2=-1).add_(delta)
+    poly = torch.bmm(big_a, big_a)
+    poly.diagonal(dim1=-2, dim2=-1).add_(gamma)
+    return poly
+
+
+def _apply(x: torch.Tensor, factor: torch.Tensor, tall: bool) -> torch.Tensor:
+    # X F (tall) or F X (wide): a folded round's application, one plain bmm.
+    return torch.bmm(x, factor) if tall else torch.bmm(factor, x)
+
+
+def _apply_linear(x: torch.Tensor, poly: torch.Tensor, a: float, tall: bool) -> torch.Tensor:
+    # a X + X B (tall) or a X + B X (wide): the reference's application, a baddbmm (its input copied first).
+    return torch.baddbmm(x, x, poly, beta=a) if tall else torch.baddbmm(x, poly, x, beta=a)
+
+
 def scaled_to_bf16(t: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
     """bf16 ``t`` divided by fp32 ``divisor`` (broadcast), in fp32 and rounded once to bf16: the bits of
     ``(t.float() / divisor).bfloat16()`` in one pass that reads bf16 and writes bf16.
@@ -181,22 +199,19 @@ def orthogonalize(x: torch.Tensor, margin: float = 1.05, gram: str = "bmm") -> t
             big_a = _gram(x, tall, gram)
         last = i == len(ANVIL_MAPS) - 1  # never folded: see the module docstring
         if gram == "squared" and not last:
-            delta, gamma = _SQUARED_ROUNDS[i]
-            big_a.diagonal(dim1=-2, dim2=-1).add_(delta)  # the Gram is a fresh tensor, not needed after this
-            poly = torch.bmm(big_a, big_a)
-            poly.diagonal(dim1=-2, dim2=-1).add_(gamma)
+            poly = _squared_poly(big_a, *_SQUARED_ROUNDS[i])  # the Gram is fresh, not needed after this
             if i == 0:
                 poly = scaled_to_bf16(poly, norm / _SQUARED_FIRST_FACTOR)
-            x = torch.bmm(x, poly) if tall else torch.bmm(poly, x)
+            x = _apply(x, poly, tall)
             continue
         poly = _poly(big_a, b, c, gram)
         if folded and not last:
             poly.diagonal(dim1=-2, dim2=-1).add_(a)  # a I + B, so that the application is a plain bmm
             if i == 0:
                 poly = scaled_to_bf16(poly, norm)  # the normalisation of X, carried by the small factor
-            x = torch.bmm(x, poly) if tall else torch.bmm(poly, x)
+            x = _apply(x, poly, tall)
         else:
-            x = torch.baddbmm(x, x, poly, beta=a) if tall else torch.baddbmm(x, poly, x, beta=a)
+            x = _apply_linear(x, poly, a, tall)
     return x
 
 

@@ -1,0 +1,73 @@
+"""perf/bench_cascade_products.py: runs on the CPU (small banks), times the routes' own functions, and
+writes a result perf/results.py can render."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from tests.perf_scripts import load_perf_script
+from track_1_short.optim import polar_express
+from track_1_short.perf.bench_meta import check_bench_payload
+
+
+def run_small(tmp_path, *flags) -> dict:
+    bench = load_perf_script("bench_cascade_products")
+    out = tmp_path / "products.json"
+    args = ["--device", "cpu", "--steps", "1", "--warmup", "0", "--matmul-size", "64", *flags]
+    assert bench.main([*args, "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    check_bench_payload(payload, str(out))
+    return payload
+
+
+def test_every_bank_gets_every_product_of_a_round_with_a_floor(tmp_path):
+    rows = run_small(tmp_path)["rows"]
+    banks = list(load_perf_script("bench_optimizer").SMALL_BANKS)
+    # On the CPU: torch's implementations only (the Triton kernels are the GPU's; --sym-configs adds them).
+    expected = [
+        ("gram", "bmm"),
+        ("poly", "baddbmm"),
+        ("poly", "square"),
+        ("apply", "baddbmm"),
+        ("apply", "bmm"),
+        ("normalise", "torch.div"),
+    ]
+    assert [(r["bank"], r["product"], r["impl"]) for r in rows] == [
+        (b, p, i) for b in banks for p, i in expected
+    ]
+    seen = set()
+    for row in rows:
+        assert row["us"] > 0 and row["us_floor"] > 0
+        assert (row["tflops"] is None) == (row["product"] == "normalise")
+        group = (row["bank"], row["product"])
+        if group not in seen:  # a product's first implementation is its own reference
+            assert row["bitwise_first"] is True and row["vs_first"] == 1.0
+            seen.add(group)
+        if row["impl"] == "square":  # another matrix (the squared route's rescaled factor)
+            assert row["bitwise_first"] is None
+
+
+def test_the_rows_time_the_functions_the_routes_call(tmp_path, monkeypatch):
+    # One code path: the bench calls polar_express's own helpers, so a route's change is what it measures.
+    seen = []
+    for name in ("_gram", "_poly", "_squared_poly", "_apply", "_apply_linear"):
+        real = getattr(polar_express, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(polar_express, name, spy)
+    run_small(tmp_path, "--shapes", "small")
+    assert {"_gram", "_poly", "_squared_poly", "_apply", "_apply_linear"} <= set(seen)
+
+
+@pytest.mark.parametrize("text", ["128,64,8", "128,64,8,4,1", "a,b,c,d", ""])
+def test_a_sym_config_that_is_not_four_integers_is_refused_naming_the_form(text):
+    bench = load_perf_script("bench_cascade_products")
+    with pytest.raises(argparse.ArgumentTypeError, match="block,block_k,warps,stages"):
+        bench.parse_config(text)
+    assert bench.parse_config("64,32,4,3") == (64, 32, 4, 3)
