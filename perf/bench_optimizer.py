@@ -29,9 +29,9 @@ replays each bank's update from a CUDA graph (track_1_short/perf/bank_graphs.py)
 ``--bank-streams`` (``optim.bank_streams``: ``off``, ``on``; default off): ``on`` runs each bank's update in
 the optimizer step on its own CUDA stream (track_1_short/perf/bank_streams.py). Arms are
 also crossed with ``--cascade-gram`` (``optim.cascade_gram``: ``bmm``, ``triton``, ``folded``, ``squared``;
-default bmm): the cascade's route (track_1_short/optim/polar_express.py; ``triton``: the symmetric Gram kernels
-of track_1_short/perf/kernels/sym_gram.py). Its arms time the same update through each route; ``cascade_ms``
-shows their effect on the cascade alone, perf/bench_cascade_products.py product by product.
+default bmm): the cascade's route (track_1_short/optim/polar_express.py; ``triton``: the symmetric Gram
+kernels of track_1_short/perf/kernels/sym_gram.py). Its arms time the same update through each route;
+``cascade_ms`` shows their effect on the cascade alone, perf/bench_cascade_products.py product by product.
 
 - ``bank_update``: the arm; ``cascade_gram``: the arm's Gram route; ``compile_s``: the compiled and triton
   arms' first ``update()`` of the bank (Dynamo and Inductor, or Triton's JIT of the kernels), wall seconds,
