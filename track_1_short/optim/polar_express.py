@@ -31,7 +31,8 @@ routes that round differently are held to (tests/optim/test_polar_express.py).
 
 "squared" is "folded" with each folded round's polynomial a plain bmm too. A baddbmm's copy of its input
 into the output is paid on the small matrix as well (on an H100 the MLP bank's update spent 0.515 ms a step
-in such copies with "bmm", 0.085 ms "squared": perf/results/optimizer_preset.json). Completing the square,
+copying X and A into baddbmm outputs with "bmm", 0.085 ms with "squared", the last round's two copies:
+perf/results/optimizer_preset.json). Completing the square,
 a I + b A + c A^2 = c ((A + delta I)^2 + gamma I) with delta = b / 2c and gamma = a / c - delta^2, so a folded
 round is the Gram, a diagonal add, one bmm of the shifted Gram with itself and a second diagonal add. The
 factor c is not applied: X is carried as a scalar multiple lambda_k X_k of the reference's X_k, and a round
