@@ -1,8 +1,11 @@
 """Import a benchmark script of perf/ (not a package) as a module, for the tests of its pieces."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
+
+from track_1_short.perf.bench_meta import check_bench_payload
 
 PERF_DIR = Path(__file__).resolve().parents[1] / "perf"
 
@@ -17,3 +20,12 @@ def load_perf_script(name: str):
     sys.modules[module_name] = module  # dataclasses resolve their module's annotations through sys.modules
     spec.loader.exec_module(module)
     return module
+
+
+def run_perf_script(name: str, out: Path, *args: str) -> dict:
+    """Run perf/<name>.py's ``main`` with ``args`` and ``--out out``; return its JSON, read back and checked
+    as perf/results.py checks it."""
+    assert load_perf_script(name).main([*args, "--out", str(out)]) == 0
+    payload = json.loads(Path(out).read_text())
+    check_bench_payload(payload, str(out))
+    return payload

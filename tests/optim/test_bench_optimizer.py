@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
-from tests.perf_scripts import load_perf_script
+from tests.perf_scripts import load_perf_script, run_perf_script
 from track_1_short.optim.polar_express import cascade_flops
-from track_1_short.perf.bench_meta import check_bench_payload
 
 
 def load_bench():
@@ -15,12 +12,8 @@ def load_bench():
 
 def run_small(bench, tmp_path, *flags) -> dict:
     """bench_optimizer on the CPU, one timed step per arm and no warmup; its JSON, read back and checked."""
-    out = tmp_path / "optimizer.json"
     args = ["--device", "cpu", "--steps", "1", "--warmup", "0", "--matmul-size", "128", *flags]
-    assert bench.main([*args, "--out", str(out)]) == 0
-    payload = json.loads(out.read_text())
-    check_bench_payload(payload, str(out))
-    return payload
+    return run_perf_script("bench_optimizer", tmp_path / "optimizer.json", *args)
 
 
 def test_bench_runs_small_on_the_cpu_and_writes_rows_with_floors(tmp_path, capsys):

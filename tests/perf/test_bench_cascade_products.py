@@ -4,23 +4,16 @@ writes a result perf/results.py can render."""
 from __future__ import annotations
 
 import argparse
-import json
 
 import pytest
 
-from tests.perf_scripts import load_perf_script
+from tests.perf_scripts import load_perf_script, run_perf_script
 from track_1_short.optim import polar_express
-from track_1_short.perf.bench_meta import check_bench_payload
 
 
 def run_small(tmp_path, *flags) -> dict:
-    bench = load_perf_script("bench_cascade_products")
-    out = tmp_path / "products.json"
     args = ["--device", "cpu", "--steps", "1", "--warmup", "0", "--matmul-size", "64", *flags]
-    assert bench.main([*args, "--out", str(out)]) == 0
-    payload = json.loads(out.read_text())
-    check_bench_payload(payload, str(out))
-    return payload
+    return run_perf_script("bench_cascade_products", tmp_path / "products.json", *args)
 
 
 def test_every_bank_gets_every_product_of_a_round_with_a_floor(tmp_path):
