@@ -74,7 +74,6 @@ def implementations(
     big_a: torch.Tensor,
     tall: bool,
     sym_configs: list[tuple[int, int, int, int]],
-    triton_ok: bool,
 ) -> dict[str, list[tuple[str, Callable[[], torch.Tensor]]]]:
     """product -> [(implementation, call)], the first of each the reference its bits are compared with."""
     a, b, c = pe.ANVIL_MAPS[ROUND]
@@ -99,7 +98,7 @@ def implementations(
         from track_1_short.perf.kernels import bf16_div
 
         out["normalise"].append(("bf16_div", lambda: bf16_div.div_(big_a, divisor, torch.empty_like(big_a))))
-    if triton_ok:
+    if sym_configs:
         from track_1_short.perf.kernels import sym_gram
 
         s = big_a.size(-1)
@@ -179,16 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     for seed, (label, (_shape, reshape, _mults)) in enumerate(banks.items()):
         x, big_a, tall = bank_inputs(reshape, device, seed)
         batch, r, c = reshape
-        for product, impls in implementations(
-            x, big_a, tall, args.sym_configs, bool(args.sym_configs)
-        ).items():
-            first_bits, first_us = impls[0][1]().view(torch.int16), None
-            for impl, call in impls:
+        moved = 4 * big_a.numel()  # normalise: read and write a bf16 [B, s, s]
+        for product, impls in implementations(x, big_a, tall, args.sym_configs).items():
+            work = flops(product, batch, r, c)
+            for i, (impl, call) in enumerate(impls):
                 bits = call().view(torch.int16)  # before timing: "square" shifts its scratch Gram per call
                 us = timed_us(call, device, args.calls, steps, args.warmup)
-                first_us = first_us or us
-                work = flops(product, batch, r, c)
-                moved = 4 * big_a.numel()  # normalise: read and write a bf16 [B, s, s]
+                if i == 0:
+                    first_bits, first_us = bits, us
                 rows.append(
                     {
                         "bank": label,

@@ -162,7 +162,7 @@ def scaled_to_bf16(t: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
         from track_1_short.perf.kernels import bf16_div  # Triton is imported only for CUDA tensors
 
         if bf16_div.supports(t, divisor):
-            return bf16_div.div_(t, divisor, out)
+            return bf16_div.launch_(t, divisor, out)  # out: empty_like of a contiguous t
     return torch.div(t, divisor, out=out)
 
 

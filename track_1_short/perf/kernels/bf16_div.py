@@ -74,6 +74,12 @@ def div_(t: torch.Tensor, divisor: torch.Tensor, out: torch.Tensor) -> torch.Ten
     if out.shape != t.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError(f"bf16_div.div_: out must be a contiguous bf16 {tuple(t.shape)}, got {out.dtype} "
                          f"{tuple(out.shape)}")  # fmt: skip
+    return launch_(t, divisor, out)
+
+
+def launch_(t: torch.Tensor, divisor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`div_` without its checks, for a caller that has asked :func:`supports` already (the cascade's
+    normalisation, once a bank update and step) and passes a contiguous bf16 ``out`` shaped as t."""
     per_matrix = t[0].numel() if t.size(0) else 0
     if per_matrix == 0:
         return out
