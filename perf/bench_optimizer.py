@@ -28,9 +28,10 @@ Arms are crossed with ``--bank-graphs`` (``optim.bank_graphs``: ``off``, ``on``;
 replays each bank's update from a CUDA graph (track_1_short/perf/bank_graphs.py), one launch a bank, and with
 ``--bank-streams`` (``optim.bank_streams``: ``off``, ``on``; default off): ``on`` runs each bank's update in
 the optimizer step on its own CUDA stream (track_1_short/perf/bank_streams.py). Arms are
-also crossed with ``--cascade-gram`` (``optim.cascade_gram``: ``bmm``, ``triton``, ``folded``, ``squared``;
-default bmm): the cascade's route (track_1_short/optim/polar_express.py; ``triton``: the symmetric Gram
-kernels of track_1_short/perf/kernels/sym_gram.py). Its arms time the same update through each route;
+also crossed with ``--cascade-gram`` (``optim.cascade_gram``: ``bmm``, ``triton``, ``folded``, ``squared``,
+``gram_space``; default bmm): the cascade's route (track_1_short/optim/polar_express.py; ``triton``: the
+symmetric Gram kernels of track_1_short/perf/kernels/sym_gram.py; ``gram_space`` runs as ``squared`` on the
+banks ``route_for`` keeps off it, and ``cascade_ms`` and its floor time and count what each bank runs). Its arms time the same update through each route;
 ``cascade_ms`` shows their effect on the cascade alone, perf/bench_cascade_products.py product by product.
 
 - ``bank_update``: the arm; ``cascade_gram``: the arm's Gram route; ``compile_s``: the compiled and triton
@@ -65,7 +66,7 @@ import time
 import torch
 
 from track_1_short.optim.anvil import BANK_UPDATES, CASCADE_GRAMS, AnvilAndAdam, OptimConfig
-from track_1_short.optim.polar_express import cascade_flops, orthogonalize
+from track_1_short.optim.polar_express import cascade_flops, orthogonalize, route_for
 from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
 from track_1_short.perf.bench_timing import copy_gbps, graph_replay, matmul_tflops, sync, time_ms
 from track_1_short.perf.kernel_profile import kernel_table_line, profile_device
@@ -158,13 +159,14 @@ def measure(
             sync(device)
             extra["compile_s"] = time.perf_counter() - t0
         step_ms = time_ms(bank.update, device, steps, warmup)
-        run_cascade = lambda x=x: cascade(x, opt.cfg.frobenius_margin, cascade_gram)  # noqa: E731
+        route = route_for(cascade_gram, r, c)  # what the bank runs (gram_space only where it pays)
+        run_cascade = lambda x=x: cascade(x, opt.cfg.frobenius_margin, route)  # noqa: E731
         if bank_graphs:  # the cascade alone as the arm runs it: replayed from a graph
             run_cascade = graph_replay(run_cascade, device)
         cascade_ms = time_ms(run_cascade, device, steps, max(warmup, 1 if compiled else 0))
         if top:  # where the update's device time goes, and how busy the GPU is between its kernels
             extra.update(profile_device(bank.update, PROFILED_UPDATES, top))
-        flops = cascade_flops(chunk, r, c)
+        flops = cascade_flops(chunk, r, c, route)
         rows.append(
             {
                 "bank": label,

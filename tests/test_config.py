@@ -71,13 +71,13 @@ def test_record_presets_run_the_host_side_fast_paths(experiment):
 
 def test_bank_update_switch_reaches_the_typed_config_eager_by_default_triton_in_the_gpu_presets():
     # The base config runs anywhere; the GPU presets take the measured winners (perf/RESULTS.md,
-    # optimizer_triton.json, optimizer_squared.json): the Triton bank update, and the folded cascade with its
-    # polynomial squared, on cuBLAS's bmm; the base config keeps the reference cascade.
+    # optimizer_triton.json, optimizer_gram_space.json): the Triton bank update, and the Gram-space cascade
+    # where it pays (the folded one with its polynomial squared elsewhere); the base config keeps the reference.
     base = to_object(compose_train()).optim
     assert (base.bank_update, base.cascade_gram) == ("eager", "bmm")
     for preset in ("record", "record_1gpu"):
         optim = to_object(compose_train(f"experiment={preset}")).optim
-        assert (optim.bank_update, optim.cascade_gram) == ("triton", "squared"), preset
+        assert (optim.bank_update, optim.cascade_gram) == ("triton", "gram_space"), preset
     # Bank graphs and streams: measured on one GPU only, so in the one-GPU preset only.
     one_gpu = to_object(compose_train("experiment=record_1gpu")).optim
     assert (one_gpu.bank_graphs, one_gpu.bank_streams) == (True, True)

@@ -12,9 +12,11 @@ from track_1_short.optim.polar_express import ANVIL_MAPS, cascade_flops, orthogo
 # The track-1 bank matrices: qk 256 x 768 (wide), vo 768 x 768 (square), mlp 2816 x 768 (tall).
 BANK_SHAPES = {"qk": (256, 768), "vo": (768, 768), "mlp": (2816, 768)}
 # The routes through the cascade that need no Triton (tests/perf/test_sym_gram.py holds the "triton" one's).
-ROUTES = ["bmm", "folded", "squared"]
+ROUTES = ["bmm", "folded", "squared", "gram_space"]
 # The routes that fold a I + B (and the normalisation) into the small factor.
 FOLDED_ROUTES = ["folded", "squared"]
+# The routes that round differently from the reference, held to the bounds between routes.
+APPROXIMATE_ROUTES = [*FOLDED_ROUTES, "gram_space"]
 # Normalised singular values below this are too small for six maps to lift to 1 (a random square matrix has
 # some); the band is claimed above it.
 LIFTED = 3e-3
@@ -104,7 +106,7 @@ def test_cascade_flops_counts_the_matmuls_that_run(shape, gram):
     x = torch.randn(shape).bfloat16()
     with FlopCounterMode(display=False) as counter:
         orthogonalize(x, gram=gram)
-    assert counter.get_total_flops() == cascade_flops(*shape)
+    assert counter.get_total_flops() == cascade_flops(*shape, gram)
 
 
 @pytest.mark.parametrize(
@@ -169,18 +171,25 @@ def test_cascade_on_nearly_zero_bf16_input_is_finite_and_never_above_the_band(sc
     assert float(torch.linalg.svdvals(y.double()).max()) < 1.01
 
 
+@pytest.mark.parametrize(
+    "in_dtype, out_dtype",
+    [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)],
+)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_the_normalisation_has_the_bits_of_the_fp32_division_rounded_once(device):
-    # One kernel in place of x.float() / d then .bfloat16(): the same fp32 quotient, the same rounding.
+def test_the_normalisation_has_the_bits_of_the_fp32_division_rounded_once(device, in_dtype, out_dtype):
+    # One kernel in place of x.float() / d then .to(dtype): the same fp32 quotient, the same rounding (bf16
+    # to bf16: the normalisation; bf16 to fp16 and back: the Gram-space route's changes of precision).
     gen = torch.Generator().manual_seed(5)
     # Magnitudes from 1e-30 to 1e30 across columns: subnormal quotients and quotients that overflow to inf.
-    x = (torch.randn(5, 33, 70, generator=gen) * torch.logspace(-30, 30, 70)).bfloat16().to(device)
+    x = (torch.randn(5, 33, 70, generator=gen) * torch.logspace(-30, 30, 70)).to(in_dtype).to(device)
     divisor = torch.cat([torch.rand(4, 1, 1, generator=gen) * 1e3 + 1e-6, torch.full((1, 1, 1), 1e-30)])
     divisor = divisor.to(device)
     for d in (divisor, divisor.square()):
-        got = scaled_to_bf16(x, d)
-        want = (x.float() / d).bfloat16()
-        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+        got = polar_express.scaled(x, d, out_dtype)
+        want = (x.float() / d).to(out_dtype)
+        assert got.dtype == out_dtype and torch.equal(got.view(torch.int16), want.view(torch.int16))
+        if out_dtype == torch.bfloat16 and in_dtype == torch.bfloat16:
+            assert torch.equal(scaled_to_bf16(x, d).view(torch.int16), want.view(torch.int16))
 
 
 # -- the folded route: a I + B and the normalisation carried by the small factor --
@@ -195,7 +204,7 @@ FOLDED_CASES = [(1, 256, 768, "cpu"), (3, 96, 40, "cpu"), (2, 40, 96, "cpu"), (1
 ]
 
 
-@pytest.mark.parametrize("gram", FOLDED_ROUTES)
+@pytest.mark.parametrize("gram", APPROXIMATE_ROUTES)
 @pytest.mark.parametrize("batch, rows, cols, device", FOLDED_CASES)
 def test_folded_cascade_is_within_rounding_of_the_reference_and_unbiased(batch, rows, cols, device, gram):
     shape = (batch, rows, cols)
@@ -285,7 +294,7 @@ def test_squared_rounds_refuse_maps_whose_square_cannot_be_completed():
         polar_express._squared_rounds(((3.0, -6.0, 4.0), (2.0, -1.0, 0.0), (2.0, -1.0, 1.0)))
 
 
-@pytest.mark.parametrize("gram", FOLDED_ROUTES)
+@pytest.mark.parametrize("gram", APPROXIMATE_ROUTES)
 def test_folded_cascade_compiles_whole_to_the_same_bits(gram):
     # optim.bank_update=compiled traces the cascade with fullgraph=True: the in-place diagonal add must trace.
     # aot_eager runs the traced graph's ops one by one, so the bits are the eager route's (Inductor may fuse
@@ -295,3 +304,97 @@ def test_folded_cascade_compiles_whole_to_the_same_bits(gram):
     compiled = torch.compile(orthogonalize, backend="aot_eager", fullgraph=True, dynamic=False)
     assert torch.equal(compiled(x, 1.05, gram), orthogonalize(x, gram=gram))
     torch._dynamo.reset()
+
+
+# -- the Gram-space route: rounds on the fp16 Gram, X formed again every two rounds --
+@pytest.mark.parametrize("shape", [(2, 96, 40), (2, 40, 96)])
+def test_gram_space_cascade_touches_the_large_matrix_once_a_segment(shape):
+    x = torch.randn(shape).bfloat16()
+    segments = len(polar_express.GRAM_SPACE_SEGMENTS)
+    # Three applications of a segment's product Q to X, where the reference has six rounds' (and a division).
+    assert _passes(x, "gram_space", x.numel()) == ["bmm"] * segments
+    small = 2 * min(shape[1:]) ** 2
+    products = [op for op in _passes(x, "gram_space", small) if op in ("bmm", "baddbmm")]
+    # Per segment: its Gram, the polynomial of each round (a baddbmm where R is needed again, the square of the
+    # shifted R in the segment's last round), F (F R) and F Q: 2 + 2 + 1 + 2 = 7 products on [B, s, s].
+    assert products == (["bmm", "baddbmm", "bmm", "bmm", "bmm", "bmm"]) * segments, products
+
+
+def _dtypes_of_small_products(x: torch.Tensor) -> list[tuple[str, torch.dtype]]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name in ("bmm", "baddbmm") and out.shape[-1] == out.shape[-2]:
+                seen.append((name, out.dtype))
+            return out
+
+    with Log():
+        orthogonalize(x, gram="gram_space")
+    return seen
+
+
+def test_gram_space_rounds_run_in_fp16_and_only_the_grams_in_bf16():
+    x = torch.randn(2, 40, 96).bfloat16()
+    seen = _dtypes_of_small_products(x)
+    grams = [i for i, (_, dtype) in enumerate(seen) if dtype == torch.bfloat16]
+    # Each segment's first product is the Gram of the bf16 X; every product of the rounds is fp16 (bf16's
+    # 2^-8 there moved the median singular value to 0.995: see polar_express's docstring).
+    assert grams == [0, 6, 12], seen
+    assert all(dtype == torch.float16 for i, (_, dtype) in enumerate(seen) if i not in grams)
+
+
+def _heavy_tailed(rows, cols, seed):
+    """bf16 [1, rows, cols] with singular values k^-1, k = 1 .. min(rows, cols): after normalisation they
+    span 0.74 down to 0.003, the edge of what six maps lift."""
+    s = min(rows, cols)
+    return _rank_r(rows, cols, [1.0 / k for k in range(1, s + 1)], seed)
+
+
+@pytest.mark.parametrize("gram", ROUTES)
+def test_cascade_maps_heavy_tailed_spectra_into_the_band(gram):
+    x = _heavy_tailed(256, 96, seed=4)
+    s_in = torch.linalg.svdvals(x.double())[0]
+    lifted = s_in / (1.05 * s_in.norm()) >= LIFTED
+    s = torch.linalg.svdvals(orthogonalize(x, gram=gram).double())[0]
+    assert lifted.float().mean() > 0.9
+    assert float(s[lifted].min()) > 0.99 and float(s.max()) < 1.01, (float(s[lifted].min()), float(s.max()))
+
+
+def test_gram_space_leaves_the_band_without_its_segments(monkeypatch):
+    # Why X is formed again every two rounds: the product of all six rounds' factors is as ill-conditioned as
+    # the input, and applied at once it leaves the band (measured: singular values 0.64 to 25, or inf).
+    x = _heavy_tailed(256, 96, seed=4)
+    monkeypatch.setattr(polar_express, "GRAM_SPACE_SEGMENTS", (0,))
+    y = orthogonalize(x, gram="gram_space").double()
+    if bool(torch.isfinite(y).all()):
+        s = torch.linalg.svdvals(y)[0]
+        assert float(s.max()) > 1.01 or float(s[:90].min()) < 0.99, s
+
+
+@pytest.mark.parametrize(
+    "gram, rows, cols, route",
+    [
+        ("gram_space", 2816, 768, "gram_space"),  # the MLP bank: measured faster
+        ("gram_space", 768, 2816, "gram_space"),
+        ("gram_space", 256, 768, "squared"),  # qk: s too small for [s, s] products to run near peak
+        ("gram_space", 768, 768, "squared"),  # vo: square, nothing to save
+        ("squared", 2816, 768, "squared"),
+        ("bmm", 2816, 768, "bmm"),
+    ],
+)
+def test_route_for_sends_only_large_long_banks_to_the_gram_space(gram, rows, cols, route):
+    assert polar_express.route_for(gram, rows, cols) == route
+
+
+def test_a_bank_runs_the_route_its_shape_gets():
+    from track_1_short.optim.anvil_bank import AnvilBank
+
+    for shape, route in (((2, 64, 256), "squared"), ((1, 2816, 768), "gram_space")):
+        grad = torch.zeros(shape)
+        bank = AnvilBank("w", grad, torch.zeros(shape), 0.9, 0.98, 1.05, gram="gram_space")
+        assert bank.constants["gram"] == route, shape

@@ -14,8 +14,8 @@ gpu = pytest.mark.gpu
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
 
 
-def _torch_div(t: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
-    return torch.div(t, divisor, out=torch.empty_like(t))
+def _torch_div(t: torch.Tensor, divisor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.div(t, divisor, out=torch.empty_like(t, dtype=dtype))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -46,6 +46,30 @@ def test_division_has_the_bits_of_torch_div(shape, device):
     assert torch.equal(_bits(out), _bits(_torch_div(t, divisor)))
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's numpy
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "in_dtype, out_dtype",
+    [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16), (torch.float16, torch.float16)],
+)
+def test_fp16_in_or_out_has_the_bits_of_torch_div(in_dtype, out_dtype, device):
+    # The Gram-space cascade's changes of precision. The bf16 inputs' range overflows fp16 (inf in, inf out)
+    # and its quotients round to fp16 normals, subnormals, zero and inf.
+    gen = torch.Generator().manual_seed(9)
+    shape = (3, 37, 53)
+    # Values over 2^-40 .. 2^40, divisors 2^-10 .. 2^10, not powers of two: quotients across fp16's range
+    # (normals 2^-14 .. 2^16) and beyond it at both ends.
+    t = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-40, 40, shape, generator=gen).float())
+    t = t.to(in_dtype).to(device)
+    divisor = torch.exp2(torch.randint(-10, 10, (3, 1, 1), generator=gen).float())
+    divisor = (divisor * (1 + torch.rand(3, 1, 1, generator=gen))).to(device)
+    out = bf16_div.div_(t, divisor, torch.empty_like(t, dtype=out_dtype))
+    want = _torch_div(t, divisor, out_dtype)
+    assert out.dtype == out_dtype and torch.equal(_bits(out), _bits(want))
+    finite = want.float().isfinite() & (want.float() != 0)
+    assert finite.float().mean() > 0.3 and not bool(finite.all())  # the range's ends and its middle
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_quotients_at_bf16_ties_round_as_torch_div_rounds_them(device):
     # Random quotients round to bf16 the same way whatever the last fp32 bit: these sit within an fp32 ulp
@@ -72,6 +96,11 @@ def test_division_has_the_bits_of_torch_div_at_the_bank_shapes(shape):
     t, divisor = _inputs(shape, seed=shape[0], device="cuda")
     out = bf16_div.div_(t, divisor, torch.empty_like(t))
     assert torch.equal(_bits(out), _bits(_torch_div(t, divisor)))
+    # The Gram-space cascade: its first Gram into fp16, each segment's product back into bf16.
+    half = bf16_div.div_(t, divisor, torch.empty_like(t, dtype=torch.float16))
+    assert torch.equal(_bits(half), _bits(_torch_div(t, divisor, torch.float16)))
+    back = bf16_div.div_(half, divisor, torch.empty_like(t))
+    assert torch.equal(_bits(back), _bits(_torch_div(half, divisor, torch.bfloat16)))
 
 
 def test_nan_comes_out_as_a_nan():
@@ -136,7 +165,7 @@ def test_scaled_to_bf16_takes_the_kernel_on_cuda_and_keeps_torch_div_where_it_ca
     assert calls == [(4, 96, 40)]
     # The whole cascade, every route, on the GPU: the same bits with the kernel as with torch.div.
     x = torch.randn(3, 96, 40, device="cuda").bfloat16()
-    for gram in ("bmm", "folded", "squared"):
+    for gram in ("bmm", "folded", "squared", "gram_space"):
         with_kernel = orthogonalize_with(x, gram, monkeypatch, kernel=True)
         without = orthogonalize_with(x, gram, monkeypatch, kernel=False)
         assert torch.equal(_bits(with_kernel), _bits(without)), gram

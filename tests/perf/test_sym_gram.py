@@ -218,7 +218,7 @@ def test_cascade_with_the_kernels_compiles_whole(backend):
 # -- the switch --
 def test_config_refuses_an_unknown_cascade_gram_by_name():
     with pytest.raises(
-        ValueError, match=r"optim\.cascade_gram='cuda'.*\['bmm', 'triton', 'folded', 'squared'\]"
+        ValueError, match=r"optim\.cascade_gram='cuda'.*\['bmm', 'triton', 'folded', 'squared', 'gram_space'\]"
     ):
         OptimConfig(cascade_gram="cuda")
 
@@ -265,7 +265,7 @@ def test_triton_cascade_gram_is_refused_at_construction_where_the_kernels_cannot
     named, table = _bank_table((2, 24, 16))
     with pytest.raises(RuntimeError, match=r"optim\.cascade_gram=triton"):
         AnvilAndAdam(named, table, ["bank"], ["bank"], OptimConfig(cascade_gram="triton"))
-    assert anvil.CASCADE_GRAMS == ("bmm", "triton", "folded", "squared")
+    assert anvil.CASCADE_GRAMS == ("bmm", "triton", "folded", "squared", "gram_space")
 
 
 def test_triton_cascade_gram_with_the_compiled_bank_update(monkeypatch):

@@ -151,7 +151,10 @@ class OptimConfig:
     bmm of the shifted Gram (A + delta I) with itself (completing the square; X carried at a scale that
     absorbs c), so that no baddbmm copies the small matrix either; the same bounds, the same tests. On an H100
     the step for all banks 4.03 -> 3.78 ms against "folded" (optimizer_squared.json); the record presets use
-    it, the base config keeps the reference."""
+    it, the base config keeps the reference. "gram_space": the rounds run on the fp16 Gram matrix, X formed
+    again every two rounds (Gram Newton-Schulz), on the banks whose matrices are large and long enough for it
+    to pay (``polar_express.route_for``: the track-1 MLP bank), "squared" on the others; the same bounds,
+    the same tests."""
     bank_graphs: bool = False
     """Capture each bank's update (whichever ``bank_update``) in a CUDA graph on its first step and replay it
     afterwards: one launch a bank instead of 25 to 100 from Python (track_1_short/perf/bank_graphs.py). The

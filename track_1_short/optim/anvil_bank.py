@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from track_1_short.optim.polar_express import orthogonalize
+from track_1_short.optim.polar_express import orthogonalize, route_for
 
 EQUALISER_EPS = 1e-10
 """Floor of the lane energy and of the post-equalisation norm: an all-zero (pad) matrix stays 0, not NaN."""
@@ -205,7 +205,11 @@ class AnvilBank:
         self.momentum, self.eff_wd, self.fast_beta, self.fast_weight = self.scalars[:_N_SCALARS].unbind()
         self.eff_lr = self.scalars[_N_SCALARS:].view(chunk, 1, 1)
         self.constants = dict(
-            beta2=self.beta2, slow_beta=self.slow_beta, margin=self.margin, red_dim=self.red_dim, gram=gram
+            beta2=self.beta2,
+            slow_beta=self.slow_beta,
+            margin=self.margin,
+            red_dim=self.red_dim,
+            gram=route_for(gram, rows, cols),  # "gram_space" only for the shapes where it pays
         )
         self.update_fn = bank_update_ if update_fn is None else update_fn
 

@@ -45,6 +45,23 @@ folding's (the same tests, the same bounds). Squared, the last round's factor wo
 as the folded one does: measured, the median singular value moved to 0.998 (the bank shapes, three seeds).
 The maps' c must be positive (they are).
 
+"gram_space" runs the rounds on the small Gram matrix itself (Gram Newton-Schulz: Zhang, Amsel, Chen and
+Dao, 2026). With F_k = a I + b R_k + c R_k^2 (wide case; the tall one is its transpose), the next round's Gram
+is R_{k+1} = F_k R_k F_k and the rounds' product Q = F_k ... F_j is applied to X once, so a round costs
+[s, s] products only, not a Gram and an application of the large matrix. Q is as ill-conditioned as the
+singular values it lifts, so X is formed again and its Gram taken afresh every two rounds
+(``GRAM_SPACE_SEGMENTS``: three segments of two rounds); the [s, s] matrices are fp16, whose 2^-11 rounding
+keeps the spectrum in the reference's band where bf16's 2^-8 moved the median singular value to 0.995
+(measured with heavy-tailed spectra, singular values k^-1, where one segment of six rounds or two of three
+left the band: 0.985 to 1.019). The normalisation divides the first Gram into fp16 (a raw Gram can overflow
+it) and each segment's Q is divided into bf16, folding in the normalisation and the factor c of the segment's
+last round, which is formed squared as in "squared" (the rounds before it need R_k afterwards and use the
+reference's baddbmm on [s, s]). Per round-pair it trades two Grams and two applications of the large matrix
+for five products of [s, s] ones: a gain only where s is large enough for cuBLAS to run [s, s] products
+near its peak and the long side is a few times s (``route_for``: on an H100 the MLP bank's cascade, 768 x
+2816, 2.06 -> 1.91 ms with the first version of this route; the qk bank's, 256 x 768, slower). The orthogonalisation
+is not bitwise any other route's; it is held to the same bounds as "folded" (tests/optim/test_polar_express.py).
+
 Provenance: the maps and the trace trick are those of the upstream record "#360 (ANVIL2)"
 (``ANVIL_MAPS``, ``FROBENIUS_MARGIN``, ``FROBENIUS_EPS`` in modded-nanogpt's
 ``track_1_short/optim/anvil.py``), a successor of the Polar Express cascade (Amsel et al., 2025) used by
@@ -84,8 +101,26 @@ Measured: half of random rank-1 bf16 matrices left the band, some at 24. This fa
 0.8%, inside the flat part of the maps."""
 
 
-GRAMS = ("bmm", "triton", "folded", "squared")
+GRAMS = ("bmm", "triton", "folded", "squared", "gram_space")
 """The values of ``orthogonalize``'s ``gram`` (``OptimConfig.cascade_gram``)."""
+
+GRAM_SPACE_SEGMENTS = (0, 2, 4)
+"""The rounds at which the "gram_space" route forms X and takes its Gram afresh (the first is the input's)."""
+
+GRAM_SPACE_MIN_SIDE = 512
+GRAM_SPACE_MIN_ASPECT = 3.5
+"""``route_for`` sends a bank to "gram_space" only where its matrices' short side s is at least
+GRAM_SPACE_MIN_SIDE and the long side at least GRAM_SPACE_MIN_ASPECT times s (measured faster: 768 x 2816;
+slower: 256 x 768 and 768 x 768)."""
+
+
+def route_for(gram: str, rows: int, cols: int) -> str:
+    """The route ``OptimConfig.cascade_gram`` gives a bank of [rows, cols] matrices: "gram_space" only where
+    it measured faster (see ``GRAM_SPACE_MIN_ASPECT``), "squared" elsewhere; any other value as it is."""
+    s, long = min(rows, cols), max(rows, cols)
+    if gram == "gram_space" and not (s >= GRAM_SPACE_MIN_SIDE and long >= GRAM_SPACE_MIN_ASPECT * s):
+        return "squared"
+    return gram
 
 
 def _squared_rounds(maps: tuple[tuple[float, float, float], ...]) -> tuple[list[tuple[float, float]], float]:
@@ -146,24 +181,64 @@ def _apply_linear(x: torch.Tensor, poly: torch.Tensor, a: float, tall: bool) -> 
     return torch.baddbmm(x, x, poly, beta=a) if tall else torch.baddbmm(x, poly, x, beta=a)
 
 
-def scaled_to_bf16(t: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
-    """bf16 ``t`` divided by fp32 ``divisor`` (broadcast), in fp32 and rounded once to bf16: the bits of
-    ``(t.float() / divisor).bfloat16()`` in one pass that reads bf16 and writes bf16.
+def scaled(t: torch.Tensor, divisor: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``t`` (bf16 or fp16) divided by fp32 ``divisor`` (broadcast), in fp32 and rounded once to ``dtype``: the
+    bits of ``(t.float() / divisor).to(dtype)`` in one pass that reads and writes 16-bit values.
 
     The spelled-out form runs three kernels and writes two fp32 copies of ``t``: for the MLP bank's 52M
     elements, about 1 GB of memory traffic where this moves 0.2 GB. The division's inputs are promoted to
     fp32 inside the kernel and the result is rounded on its store (tests/optim/test_polar_express.py checks
-    the bits against the spelled-out form). On CUDA, outside torch.compile, a contiguous bf16 [B, rows, cols]
-    with an fp32 [B, 1, 1] divisor goes through :mod:`track_1_short.perf.kernels.bf16_div` instead: the same
-    bits (tests/perf/test_bf16_div.py) at about the copy rate, where torch's mixed-dtype broadcast division
-    runs at a quarter of it."""
-    out = torch.empty_like(t)
+    the bits against the spelled-out form). On CUDA, outside torch.compile, a contiguous [B, rows, cols] with
+    an fp32 [B, 1, 1] divisor goes through :mod:`track_1_short.perf.kernels.bf16_div` instead: the same bits
+    (tests/perf/test_bf16_div.py) at about the copy rate, where torch's mixed-dtype broadcast division runs at
+    a quarter of it."""
+    out = torch.empty_like(t, dtype=dtype)
     if t.is_cuda and not torch.compiler.is_compiling():
         from track_1_short.perf.kernels import bf16_div  # Triton is imported only for CUDA tensors
 
-        if bf16_div.supports(t, divisor):
-            return bf16_div.launch_(t, divisor, out)  # out: empty_like of a contiguous t
+        if dtype in bf16_div.DTYPES and bf16_div.supports(t, divisor):
+            return bf16_div.launch_(t, divisor, out)  # out: a contiguous empty_like of a contiguous t
     return torch.div(t, divisor, out=out)
+
+
+def scaled_to_bf16(t: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+    """:func:`scaled` to bf16: the cascade's normalisation."""
+    return scaled(t, divisor, torch.bfloat16)
+
+
+def _gram_space(x: torch.Tensor, margin: float, tall: bool) -> torch.Tensor:
+    # The "gram_space" route (module docstring): per segment, the Gram of X (bf16) in fp16, the segment's
+    # rounds on it, and X formed again from the rounds' product Q, divided into bf16.
+    bounds = (*GRAM_SPACE_SEGMENTS, len(ANVIL_MAPS))
+    norm = None
+    for start, stop in zip(bounds, bounds[1:]):
+        gram = _gram(x, tall, "bmm")
+        if norm is None:
+            norm = _normaliser(gram, margin)
+            r = scaled(gram, norm.square(), torch.float16)
+        else:  # divided by 1 (exact): the division kernel is twice as fast as torch's bf16 -> fp16 copy
+            r = scaled(gram, torch.ones_like(norm), torch.float16)
+        q = None
+        for k in range(start, stop):
+            a, b, c = ANVIL_MAPS[k]
+            if k + 1 < stop:  # R_k is needed for R_{k+1}: the reference's polynomial, which copies R_k
+                factor = torch.baddbmm(r, r, r, beta=b, alpha=c)
+                factor.diagonal(dim1=-2, dim2=-1).add_(a)
+                r = torch.bmm(factor, torch.bmm(factor, r))  # F R F, F a polynomial in R
+            else:  # F / c as the squared route forms it; c goes into the division below
+                delta = b / (2 * c)
+                factor = _squared_poly(r, delta, a / c - delta**2)
+            q = factor if q is None else torch.bmm(factor, q)
+        divisor = norm / c if start == 0 else torch.full_like(norm, 1 / c)
+        q = scaled(q, divisor, x.dtype)
+        x = torch.bmm(x, q.mT) if tall else torch.bmm(q, x)  # X^T <- Q X^T for a tall X
+    return x
+
+
+def _normaliser(gram: torch.Tensor, margin: float) -> torch.Tensor:
+    # margin * ||X||_F * BF16_HEADROOM + eps, [B, 1, 1] fp32, from the bf16 Gram's diagonal (trace = ||X||_F^2).
+    trace = gram.diagonal(dim1=-2, dim2=-1).float().sum(-1).view(-1, 1, 1)
+    return trace.sqrt().mul_(margin * BF16_HEADROOM).add_(FROBENIUS_EPS)
 
 
 def orthogonalize(x: torch.Tensor, margin: float = 1.05, gram: str = "bmm") -> torch.Tensor:
@@ -187,10 +262,10 @@ def orthogonalize(x: torch.Tensor, margin: float = 1.05, gram: str = "bmm") -> t
 
         sym_gram.check_device(x.device, "orthogonalize(gram='triton')")
     tall = x.size(-2) > x.size(-1)
+    if gram == "gram_space":
+        return _gram_space(x, margin, tall)
     big_a = _gram(x, tall, gram)
-    # trace(A) = ||X||_F^2, summed in fp32 from the bf16 Gram's diagonal: [B, 1, 1].
-    trace = big_a.diagonal(dim1=-2, dim2=-1).float().sum(-1).view(-1, 1, 1)
-    norm = trace.sqrt().mul_(margin * BF16_HEADROOM).add_(FROBENIUS_EPS)
+    norm = _normaliser(big_a, margin)
     big_a = scaled_to_bf16(big_a, norm.square())
     folded = gram in ("folded", "squared")
     if not folded:
@@ -216,13 +291,23 @@ def orthogonalize(x: torch.Tensor, margin: float = 1.05, gram: str = "bmm") -> t
     return x
 
 
-def cascade_flops(batch: int, rows: int, cols: int) -> int:
-    """Matmul FLOPs (2 per multiply-add) of :func:`orthogonalize` on [batch, rows, cols], as plain matmuls.
+def cascade_flops(batch: int, rows: int, cols: int, gram: str = "bmm") -> int:
+    """Matmul FLOPs (2 per multiply-add) of :func:`orthogonalize` on [batch, rows, cols] with ``gram``, as
+    plain matmuls.
 
-    Per round and matrix, with s = min(rows, cols) and l = max(rows, cols): the Gram 2 l s^2, A A 2 s^3 and
-    the application 2 l s^2. A symmetric Gram kernel would halve the first two terms; this counts what runs
-    here.
+    With s = min(rows, cols) and l = max(rows, cols), per round and matrix of every route but "gram_space":
+    the Gram 2 l s^2, A A 2 s^3 and the application 2 l s^2. A symmetric Gram kernel would halve the first
+    two terms; this counts what runs here. "gram_space", per segment: the Gram and the application (2 l s^2
+    each), and 2 s^3 for each [s, s] product: the polynomial (A A) of every round, F (F R) in every round but
+    the segment's last, and F Q in every round but its first.
     """
     s, long = min(rows, cols), max(rows, cols)
+    if gram == "gram_space":
+        bounds = (*GRAM_SPACE_SEGMENTS, len(ANVIL_MAPS))
+        total = 0
+        for start, stop in zip(bounds, bounds[1:]):
+            rounds = stop - start
+            total += 2 * (2 * long * s * s) + (rounds + 2 * (rounds - 1) + (rounds - 1)) * 2 * s**3
+        return batch * total
     per_round = 2 * long * s * s + 2 * s**3 + 2 * long * s * s
     return batch * len(ANVIL_MAPS) * per_round
