@@ -15,7 +15,10 @@ polar_express.py) into the products the routes compute, each through the functio
 - ``apply``, the application to X: ``baddbmm`` (a X + X B: route bmm and every route's last round), ``bmm``
   (X F: the folded rounds of folded and squared);
 - ``normalise``, the Gram divided by one fp32 number per matrix and rounded to bf16: ``torch.div``, and on
-  CUDA ``bf16_div`` (track_1_short/perf/kernels/bf16_div.py, what scaled_to_bf16 takes there).
+  CUDA ``bf16_div`` (track_1_short/perf/kernels/bf16_div.py, what scaled_to_bf16 takes there);
+- ``cascade``, the whole ``orthogonalize`` through each route that needs no Triton (``CASCADE_ROUTES``),
+  whatever ``route_for`` would give the bank: the measurement behind ``route_for`` (the Gram-space route
+  pays only on large, long matrices). Its floor counts the route's own matmuls (``cascade_flops``).
 
 Columns: ``us`` the mean per call (on CUDA, ``--calls`` calls captured in one CUDA graph and replayed
 ``--steps`` times after ``--warmup``; on the CPU perf_counter), ``us_floor`` the product's matmul FLOPs as
@@ -44,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_optimizer import SMALL_BANKS, TRACK1_BANKS  # noqa: E402 - the sibling script's bank shapes
 
 ROUND = 1  # the round whose coefficients the products use (any folded round: the cost does not depend on it)
+CASCADE_ROUTES = ("bmm", "folded", "squared", "gram_space")
 
 
 def parse_config(text: str) -> tuple[int, int, int, int]:
@@ -93,6 +97,7 @@ def implementations(
             ("bmm", lambda: pe._apply(x, factor, tall)),
         ],
         "normalise": [("torch.div", lambda: torch.div(big_a, divisor, out=torch.empty_like(big_a)))],
+        "cascade": [(g, lambda g=g: pe.orthogonalize(x, gram=g)) for g in CASCADE_ROUTES],
     }
     if big_a.is_cuda:
         from track_1_short.perf.kernels import bf16_div
@@ -116,8 +121,10 @@ def implementations(
     return out
 
 
-def flops(product: str, batch: int, rows: int, cols: int) -> int:
+def flops(product: str, batch: int, rows: int, cols: int, impl: str) -> int:
     # 2 per multiply-add, as plain matmuls (the symmetric kernels do a little over half of gram and poly).
+    if product == "cascade":
+        return pe.cascade_flops(batch, rows, cols, impl)
     s, long = min(rows, cols), max(rows, cols)
     return {"gram": 2 * long * s * s, "poly": 2 * s**3, "apply": 2 * long * s * s, "normalise": 0}[
         product
@@ -180,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         batch, r, c = reshape
         moved = 4 * big_a.numel()  # normalise: read and write a bf16 [B, s, s]
         for product, impls in implementations(x, big_a, tall, args.sym_configs).items():
-            work = flops(product, batch, r, c)
             for i, (impl, call) in enumerate(impls):
+                work = flops(product, batch, r, c, impl)
                 bits = call().view(torch.int16)  # before timing: "square" shifts its scratch Gram per call
                 us = timed_us(call, device, args.calls, steps, args.warmup)
                 if i == 0:
@@ -196,8 +203,11 @@ def main(argv: list[str] | None = None) -> int:
                         "us_floor": work / (tflops * 1e6) if work else moved / (gbps * 1e3),
                         "tflops": work / us / 1e6 if work else None,
                         "vs_first": first_us / us,
-                        # square is the squared route's rescaled factor, not b A + c A A: nothing to compare
-                        "bitwise_first": None if impl == "square" else bool(torch.equal(bits, first_bits)),
+                        # square is the squared route's rescaled factor, not b A + c A A, and the routes'
+                        # cascades round differently: nothing to compare bit for bit
+                        "bitwise_first": None
+                        if impl == "square" or (product == "cascade" and i > 0)
+                        else bool(torch.equal(bits, first_bits)),
                     }
                 )
                 print(f"{label:10s} {product:9s} {impl:26s} {us:9.1f} us  floor {rows[-1]['us_floor']:8.1f}")
@@ -213,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             " plain matmuls at matmul_tflops (normalise: 4 bytes a Gram element at copy_gbps)",
             "vs_first: the product's first implementation's us over this row's; bitwise_first: this row's"
             " output has that implementation's bits",
+            "cascade: the whole orthogonalize through each route at the bank's shape, whether or not route_for"
+            " gives the bank that route; its floor counts the route's own matmuls",
         ],
     }
     write_bench_json(args.out, payload)
