@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             " plain matmuls at matmul_tflops (normalise: 4 bytes a Gram element at copy_gbps)",
             "vs_first: the product's first implementation's us over this row's; bitwise_first: this row's"
             " output has that implementation's bits",
-            "cascade: the whole orthogonalize through each route at the bank's shape, whether or not route_for"
-            " gives the bank that route; its floor counts the route's own matmuls",
+            "cascade: the whole orthogonalize through each route at the bank's shape, whether or not"
+            " route_for gives the bank that route; its floor counts the route's own matmuls",
         ],
     }
     write_bench_json(args.out, payload)

@@ -31,8 +31,9 @@ the optimizer step on its own CUDA stream (track_1_short/perf/bank_streams.py). 
 also crossed with ``--cascade-gram`` (``optim.cascade_gram``: ``bmm``, ``triton``, ``folded``, ``squared``,
 ``gram_space``; default bmm): the cascade's route (track_1_short/optim/polar_express.py; ``triton``: the
 symmetric Gram kernels of track_1_short/perf/kernels/sym_gram.py; ``gram_space`` runs as ``squared`` on the
-banks ``route_for`` keeps off it, and ``cascade_ms`` and its floor time and count what each bank runs). Its arms time the same update through each route;
-``cascade_ms`` shows their effect on the cascade alone, perf/bench_cascade_products.py product by product.
+banks ``route_for`` keeps off it, and ``cascade_ms`` and its floor time and count what each bank runs). Its
+arms time the same update through each route; ``cascade_ms`` shows their effect on the cascade alone,
+perf/bench_cascade_products.py product by product.
 
 - ``bank_update``: the arm; ``cascade_gram``: the arm's Gram route; ``compile_s``: the compiled and triton
   arms' first ``update()`` of the bank (Dynamo and Inductor, or Triton's JIT of the kernels), wall seconds,
@@ -160,7 +161,7 @@ def measure(
             extra["compile_s"] = time.perf_counter() - t0
         step_ms = time_ms(bank.update, device, steps, warmup)
         route = route_for(cascade_gram, r, c)  # what the bank runs (gram_space only where it pays)
-        run_cascade = lambda x=x: cascade(x, opt.cfg.frobenius_margin, route)  # noqa: E731
+        run_cascade = lambda x=x, route=route: cascade(x, opt.cfg.frobenius_margin, route)  # noqa: E731
         if bank_graphs:  # the cascade alone as the arm runs it: replayed from a graph
             run_cascade = graph_replay(run_cascade, device)
         cascade_ms = time_ms(run_cascade, device, steps, max(warmup, 1 if compiled else 0))

@@ -72,7 +72,8 @@ def test_record_presets_run_the_host_side_fast_paths(experiment):
 def test_bank_update_switch_reaches_the_typed_config_eager_by_default_triton_in_the_gpu_presets():
     # The base config runs anywhere; the GPU presets take the measured winners (perf/RESULTS.md,
     # optimizer_triton.json, optimizer_gram_space.json): the Triton bank update, and the Gram-space cascade
-    # where it pays (the folded one with its polynomial squared elsewhere); the base config keeps the reference.
+    # where it pays (elsewhere the folded one with its polynomial squared); the base config keeps the
+    # reference.
     base = to_object(compose_train()).optim
     assert (base.bank_update, base.cascade_gram) == ("eager", "bmm")
     for preset in ("record", "record_1gpu"):

@@ -315,8 +315,8 @@ def test_gram_space_cascade_touches_the_large_matrix_once_a_segment(shape):
     assert _passes(x, "gram_space", x.numel()) == ["bmm"] * segments
     small = 2 * min(shape[1:]) ** 2
     products = [op for op in _passes(x, "gram_space", small) if op in ("bmm", "baddbmm")]
-    # Per segment: its Gram, the polynomial of each round (a baddbmm where R is needed again, the square of the
-    # shifted R in the segment's last round), F (F R) and F Q: 2 + 2 + 1 + 2 = 7 products on [B, s, s].
+    # Per segment of two rounds, six products on [B, s, s]: its Gram, the first round's polynomial (a baddbmm:
+    # R is needed again), F R and F (F R), the last round's square of the shifted R, and F Q.
     assert products == (["bmm", "baddbmm", "bmm", "bmm", "bmm", "bmm"]) * segments, products
 
 

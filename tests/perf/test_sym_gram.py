@@ -218,7 +218,8 @@ def test_cascade_with_the_kernels_compiles_whole(backend):
 # -- the switch --
 def test_config_refuses_an_unknown_cascade_gram_by_name():
     with pytest.raises(
-        ValueError, match=r"optim\.cascade_gram='cuda'.*\['bmm', 'triton', 'folded', 'squared', 'gram_space'\]"
+        ValueError,
+        match=r"optim\.cascade_gram='cuda'.*\['bmm', 'triton', 'folded', 'squared', 'gram_space'\]",
     ):
         OptimConfig(cascade_gram="cuda")
 

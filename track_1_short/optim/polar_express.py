@@ -56,11 +56,13 @@ keeps the spectrum in the reference's band where bf16's 2^-8 moved the median si
 left the band: 0.985 to 1.019). The normalisation divides the first Gram into fp16 (a raw Gram can overflow
 it) and each segment's Q is divided into bf16, folding in the normalisation and the factor c of the segment's
 last round, which is formed squared as in "squared" (the rounds before it need R_k afterwards and use the
-reference's baddbmm on [s, s]). Per round-pair it trades two Grams and two applications of the large matrix
-for five products of [s, s] ones: a gain only where s is large enough for cuBLAS to run [s, s] products
-near its peak and the long side is a few times s (``route_for``: on an H100 the MLP bank's cascade, 768 x
-2816, 2.06 -> 1.91 ms with the first version of this route; the qk bank's, 256 x 768, slower). The orthogonalisation
-is not bitwise any other route's; it is held to the same bounds as "folded" (tests/optim/test_polar_express.py).
+reference's baddbmm on [s, s]). A segment of two rounds takes one Gram and one application of the large
+matrix where "squared" takes two of each, and three more products of [s, s] ones: a gain only where s is
+large enough for cuBLAS to run [s, s] products near its peak and the long side is a few times s
+(``route_for``; on an H100, the whole cascade in a CUDA graph against "squared": the MLP bank's
+24 x 2816 x 768 2037 -> 1710 us, the qk bank's 48 x 256 x 768 279 -> 278 us, the vo bank's 16 x 768 x 768
+560 -> 706 us; perf/results/cascade_products.json). Not bitwise any other route, it is held to the same
+bounds as "folded" (tests/optim/test_polar_express.py).
 
 Provenance: the maps and the trace trick are those of the upstream record "#360 (ANVIL2)"
 (``ANVIL_MAPS``, ``FROBENIUS_MARGIN``, ``FROBENIUS_EPS`` in modded-nanogpt's
@@ -110,8 +112,8 @@ GRAM_SPACE_SEGMENTS = (0, 2, 4)
 GRAM_SPACE_MIN_SIDE = 512
 GRAM_SPACE_MIN_ASPECT = 3.5
 """``route_for`` sends a bank to "gram_space" only where its matrices' short side s is at least
-GRAM_SPACE_MIN_SIDE and the long side at least GRAM_SPACE_MIN_ASPECT times s (measured faster: 768 x 2816;
-slower: 256 x 768 and 768 x 768)."""
+GRAM_SPACE_MIN_SIDE and the long side at least GRAM_SPACE_MIN_ASPECT times s (measured on an H100: faster at
+768 x 2816, no faster at 256 x 768, slower at 768 x 768; perf/results/cascade_products.json)."""
 
 
 def route_for(gram: str, rows: int, cols: int) -> str:
@@ -182,8 +184,8 @@ def _apply_linear(x: torch.Tensor, poly: torch.Tensor, a: float, tall: bool) -> 
 
 
 def scaled(t: torch.Tensor, divisor: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``t`` (bf16 or fp16) divided by fp32 ``divisor`` (broadcast), in fp32 and rounded once to ``dtype``: the
-    bits of ``(t.float() / divisor).to(dtype)`` in one pass that reads and writes 16-bit values.
+    """``t`` (bf16 or fp16) divided by fp32 ``divisor`` (broadcast), in fp32 and rounded once to ``dtype``:
+    the bits of ``(t.float() / divisor).to(dtype)`` in one pass that reads and writes 16-bit values.
 
     The spelled-out form runs three kernels and writes two fp32 copies of ``t``: for the MLP bank's 52M
     elements, about 1 GB of memory traffic where this moves 0.2 GB. The division's inputs are promoted to
@@ -236,7 +238,8 @@ def _gram_space(x: torch.Tensor, margin: float, tall: bool) -> torch.Tensor:
 
 
 def _normaliser(gram: torch.Tensor, margin: float) -> torch.Tensor:
-    # margin * ||X||_F * BF16_HEADROOM + eps, [B, 1, 1] fp32, from the bf16 Gram's diagonal (trace = ||X||_F^2).
+    # margin * ||X||_F * BF16_HEADROOM + eps, [B, 1, 1] fp32, from the bf16 Gram's diagonal (its trace is
+    # ||X||_F^2).
     trace = gram.diagonal(dim1=-2, dim2=-1).float().sum(-1).view(-1, 1, 1)
     return trace.sqrt().mul_(margin * BF16_HEADROOM).add_(FROBENIUS_EPS)
 

@@ -1,8 +1,8 @@
-"""One Triton kernel: a bf16 (or fp16) batch of matrices divided by one fp32 number per matrix, rounded once to
-bf16 (or fp16).
+"""One Triton kernel: a bf16 (or fp16) batch of matrices divided by one fp32 number per matrix, rounded once
+to bf16 (or fp16).
 
-What it replaces: ``torch.div(t, divisor, out=out)`` on CUDA, with t bf16 or fp16 [B, rows, cols], divisor fp32
-[B, 1, 1] and out bf16 or fp16 shaped as t: the cascade's normalisation and, in its Gram-space route, the
+What it replaces: ``torch.div(t, divisor, out=out)`` on CUDA, with t bf16 or fp16 [B, rows, cols], divisor
+fp32 [B, 1, 1] and out bf16 or fp16 shaped as t: the cascade's normalisation and, in its Gram-space route, the
 scaled changes of precision between bf16 and fp16 (:func:`track_1_short.optim.polar_express.scaled` calls this
 on contiguous CUDA inputs outside torch.compile).
 
@@ -89,9 +89,9 @@ def div_(t: torch.Tensor, divisor: torch.Tensor, out: torch.Tensor) -> torch.Ten
     _check_device(t.device, "bf16_div.div_", _INTERPRETED, "bf16_div", "torch.div")
     if not supports(t, divisor):
         raise ValueError(
-            "bf16_div.div_: expected a contiguous bf16 or fp16 [B, rows, cols] and a contiguous fp32 [B, 1, 1] on one"
-            f" device, got {t.dtype} {tuple(t.shape)} and {divisor.dtype} {tuple(divisor.shape)};"
-            " use torch.div"
+            "bf16_div.div_: expected a contiguous bf16 or fp16 [B, rows, cols] and a contiguous fp32"
+            f" [B, 1, 1] on one device, got {t.dtype} {tuple(t.shape)} and {divisor.dtype}"
+            f" {tuple(divisor.shape)}; use torch.div"
         )
     if out.shape != t.shape or out.dtype not in DTYPES or not out.is_contiguous():
         raise ValueError(f"bf16_div.div_: out must be a contiguous bf16 or fp16 {tuple(t.shape)}, got "
