@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_optimizer import SMALL_BANKS, TRACK1_BANKS  # noqa: E402 - the sibling script's bank shapes
 
 ROUND = 1  # the round whose coefficients the products use (any folded round: the cost does not depend on it)
-CASCADE_ROUTES = ("bmm", "folded", "squared", "gram_space")
+CASCADE_ROUTES = tuple(g for g in pe.GRAMS if g != "triton")  # the routes that need no Triton
 
 
 def parse_config(text: str) -> tuple[int, int, int, int]:

@@ -67,7 +67,7 @@ import time
 import torch
 
 from track_1_short.optim.anvil import BANK_UPDATES, CASCADE_GRAMS, AnvilAndAdam, OptimConfig
-from track_1_short.optim.polar_express import cascade_flops, orthogonalize, route_for
+from track_1_short.optim.polar_express import cascade_flops, orthogonalize
 from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
 from track_1_short.perf.bench_timing import copy_gbps, graph_replay, matmul_tflops, sync, time_ms
 from track_1_short.perf.kernel_profile import kernel_table_line, profile_device
@@ -160,7 +160,7 @@ def measure(
             sync(device)
             extra["compile_s"] = time.perf_counter() - t0
         step_ms = time_ms(bank.update, device, steps, warmup)
-        route = route_for(cascade_gram, r, c)  # what the bank runs (gram_space only where it pays)
+        route = bank.constants["gram"]  # what the bank runs: route_for's choice (gram_space where it pays)
         run_cascade = lambda x=x, route=route: cascade(x, opt.cfg.frobenius_margin, route)  # noqa: E731
         if bank_graphs:  # the cascade alone as the arm runs it: replayed from a graph
             run_cascade = graph_replay(run_cascade, device)

@@ -356,13 +356,55 @@ def _heavy_tailed(rows, cols, seed):
 
 
 @pytest.mark.parametrize("gram", ROUTES)
-def test_cascade_maps_heavy_tailed_spectra_into_the_band(gram):
-    x = _heavy_tailed(256, 96, seed=4)
+@pytest.mark.parametrize("rows, cols, seed", [(256, 96, 4), (96, 256, 5), (384, 128, 6)])
+def test_cascade_maps_heavy_tailed_spectra_into_the_band(gram, rows, cols, seed):
+    x = _heavy_tailed(rows, cols, seed)
     s_in = torch.linalg.svdvals(x.double())[0]
     lifted = s_in / (1.05 * s_in.norm()) >= LIFTED
     s = torch.linalg.svdvals(orthogonalize(x, gram=gram).double())[0]
     assert lifted.float().mean() > 0.9
-    assert float(s[lifted].min()) > 0.99 and float(s.max()) < 1.01, (float(s[lifted].min()), float(s.max()))
+    # Measured on these inputs, every route: [0.9953, 1.0054] (gram_space the high end). Tighter than the
+    # random-matrix band: the Gram-space rounds in bf16 instead of fp16 measured [0.9906, 1.0079] here, which
+    # this bound refuses (the reason the route's [s, s] matrices are fp16).
+    lo, hi = float(s[lifted].min()), float(s.max())
+    assert lo > 0.994 and hi < 1.007, (lo, hi)
+
+
+@pytest.mark.parametrize("segments", [(0, 2, 4), (0,), (0, 3), (0, 1, 2, 3, 4, 5), (0, 1, 4)])
+@pytest.mark.parametrize("shape", [(3, 40, 96), (2, 96, 40), (2, 24, 24)])
+def test_gram_space_carries_the_reference_recurrence(shape, segments, monkeypatch):
+    # The algebra alone, in float64 (the changes of precision made exact divisions): the route's segments,
+    # products and folded factors c against the reference's six rounds on X normalised by the same d. The
+    # one rounding left is of d / c to fp32, a scalar per matrix near 6e-8; dropping a factor c of 0.989
+    # moves the output by 1.1%.
+    monkeypatch.setattr(polar_express, "scaled", lambda t, divisor, dtype=None: t / divisor.double())
+    monkeypatch.setattr(polar_express, "GRAM_SPACE_SEGMENTS", segments)
+    raw = torch.randn(shape, generator=torch.Generator().manual_seed(13), dtype=torch.float64) * 5.0
+    tall = shape[1] > shape[2]
+    d = polar_express._normaliser(polar_express._gram(raw, tall, "bmm"), 1.05).double()
+    ref = raw / d
+    for a, b, c in ANVIL_MAPS:
+        gram = ref.mT @ ref if tall else ref @ ref.mT
+        poly = b * gram + c * gram @ gram
+        ref = a * ref + (ref @ poly if tall else poly @ ref)
+    out = polar_express._gram_space(raw, 1.05, tall)
+    assert out.dtype == torch.float64
+    assert _rel_err(out, ref) < 1e-6
+
+
+@pytest.mark.parametrize("segments", [(), (1, 3), (0, 2, 2), (0, 4, 2), (0, 6)])
+def test_gram_space_refuses_segments_that_do_not_cover_the_rounds(segments, monkeypatch):
+    monkeypatch.setattr(polar_express, "GRAM_SPACE_SEGMENTS", segments)
+    x = torch.randn(1, 8, 24).bfloat16()
+    with pytest.raises(ValueError, match="GRAM_SPACE_SEGMENTS"):
+        orthogonalize(x, gram="gram_space")
+    with pytest.raises(ValueError, match="GRAM_SPACE_SEGMENTS"):
+        cascade_flops(1, 8, 24, "gram_space")
+
+
+def test_cascade_flops_refuses_a_route_it_does_not_know():
+    with pytest.raises(ValueError, match="gram='gramspace'"):
+        cascade_flops(1, 8, 24, "gramspace")
 
 
 def test_gram_space_leaves_the_band_without_its_segments(monkeypatch):
@@ -381,8 +423,10 @@ def test_gram_space_leaves_the_band_without_its_segments(monkeypatch):
     [
         ("gram_space", 2816, 768, "gram_space"),  # the MLP bank: measured faster
         ("gram_space", 768, 2816, "gram_space"),
-        ("gram_space", 256, 768, "squared"),  # qk: s too small for [s, s] products to run near peak
-        ("gram_space", 768, 768, "squared"),  # vo: square, nothing to save
+        ("gram_space", 256, 768, "squared"),  # qk, aspect 3.0: measured no faster
+        ("gram_space", 768, 768, "squared"),  # vo: square, more matmul FLOPs than squared
+        ("gram_space", 512, 1792, "gram_space"),  # aspect 3.5 exactly: the threshold admits it
+        ("gram_space", 1791, 512, "squared"),
         ("squared", 2816, 768, "squared"),
         ("bmm", 2816, 768, "bmm"),
     ],
@@ -394,7 +438,11 @@ def test_route_for_sends_only_large_long_banks_to_the_gram_space(gram, rows, col
 def test_a_bank_runs_the_route_its_shape_gets():
     from track_1_short.optim.anvil_bank import AnvilBank
 
-    for shape, route in (((2, 64, 256), "squared"), ((1, 2816, 768), "gram_space")):
+    for shape, route in (
+        ((2, 64, 128), "squared"),
+        ((2, 64, 256), "gram_space"),
+        ((1, 2816, 768), "gram_space"),
+    ):
         grad = torch.zeros(shape)
         bank = AnvilBank("w", grad, torch.zeros(shape), 0.9, 0.98, 1.05, gram="gram_space")
         assert bank.constants["gram"] == route, shape

@@ -126,6 +126,15 @@ def test_inputs_the_kernel_does_not_take_are_refused_naming_torch_div(t, divisor
     assert bool((out == 7.0).all())  # nothing written
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16])
+def test_an_out_the_kernel_cannot_write_is_refused(dtype):
+    t = torch.ones(2, 4, 4, dtype=torch.bfloat16)
+    out = torch.full(t.shape, 7, dtype=dtype)
+    with pytest.raises(ValueError, match="out must be a contiguous bf16 or fp16"):
+        bf16_div.div_(t, torch.ones(2, 1, 1), out)
+    assert bool((out == 7).all())  # nothing written
+
+
 def test_the_kernel_is_refused_off_cuda_without_the_interpreter(monkeypatch):
     monkeypatch.setattr(bf16_div, "_INTERPRETED", False)
     t = torch.zeros(1, 2, 2, dtype=torch.bfloat16)

@@ -241,8 +241,18 @@ def _bank_table(shape):
     return [("bank", p)], table
 
 
-@pytest.mark.parametrize("gram", ["bmm", "triton", "folded", "squared"])
-def test_cascade_gram_reaches_the_bank_update_and_orthogonalize(gram, monkeypatch):
+@pytest.mark.parametrize(
+    "gram, route",
+    [
+        ("bmm", "bmm"),
+        ("triton", "triton"),
+        ("folded", "folded"),
+        ("squared", "squared"),
+        ("gram_space", "squared"),
+    ],
+)
+def test_cascade_gram_reaches_the_bank_update_and_orthogonalize(gram, route, monkeypatch):
+    # gram_space reaches a bank of 24 x 16 matrices as squared (polar_express.route_for: aspect 1.5).
     seen = []
     real = anvil_bank.orthogonalize
 
@@ -253,10 +263,10 @@ def test_cascade_gram_reaches_the_bank_update_and_orthogonalize(gram, monkeypatc
     monkeypatch.setattr(anvil_bank, "orthogonalize", spy)
     named, table = _bank_table((2, 24, 16))
     opt = AnvilAndAdam(named, table, ["bank"], ["bank"], OptimConfig(cascade_gram=gram))
-    assert opt.banks["bank"].constants["gram"] == gram
+    assert opt.banks["bank"].constants["gram"] == route
     named[0][1].grad = torch.randn(2, 24, 16).bfloat16()
     opt.step(do_adam=False)
-    assert seen == [gram]
+    assert seen == [route]
 
 
 def test_triton_cascade_gram_is_refused_at_construction_where_the_kernels_cannot_run(monkeypatch):

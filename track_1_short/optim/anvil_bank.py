@@ -142,8 +142,8 @@ def bank_update_(
 
     Everything that changes between steps is read from the device tensor ``scalars``; the keyword arguments
     are fixed for a bank's life. So a compiled graph of this function (:mod:`track_1_short.perf.bank_compile`)
-    is made once per bank and replayed every step, and reads no host value. ``gram``: what computes the
-    cascade's symmetric products (``OptimConfig.cascade_gram``, :func:`orthogonalize`)."""
+    is made once per bank and replayed every step, and reads no host value. ``gram``: the cascade's route
+    (one of :data:`track_1_short.optim.polar_express.GRAMS`, :func:`orthogonalize`)."""
     momentum, eff_wd, fast_beta, fast_weight = scalars[:_N_SCALARS].unbind()
     eff_lr = scalars[_N_SCALARS:].view(-1, 1, 1)
     g = grad.float()
@@ -163,8 +163,10 @@ class AnvilBank:
     matrix (its own tensor, or the given ``scalars``: a slice of a buffer shared by every bank).
     ``update_fn``: what :meth:`update` calls, :func:`bank_update_` (eager) unless given its compiled graph
     (:func:`track_1_short.perf.bank_compile.compiled_bank_update`) or the Triton kernels' version
-    (:func:`track_1_short.perf.kernels.anvil_bank.triton_bank_update_`). ``gram``: what computes the cascade's
-    symmetric products, "bmm" or "triton" (``OptimConfig.cascade_gram``), passed with the other constants.
+    (:func:`track_1_short.perf.kernels.anvil_bank.triton_bank_update_`). ``gram``: the cascade's route
+    (``OptimConfig.cascade_gram``), passed with the other constants after
+    :func:`track_1_short.optim.polar_express.route_for` has mapped it for this bank's shape ("gram_space"
+    only where it pays, "squared" elsewhere).
     """
 
     def __init__(

@@ -50,19 +50,23 @@ Dao, 2026). With F_k = a I + b R_k + c R_k^2 (wide case; the tall one is its tra
 is R_{k+1} = F_k R_k F_k and the rounds' product Q = F_k ... F_j is applied to X once, so a round costs
 [s, s] products only, not a Gram and an application of the large matrix. Q is as ill-conditioned as the
 singular values it lifts, so X is formed again and its Gram taken afresh every two rounds
-(``GRAM_SPACE_SEGMENTS``: three segments of two rounds); the [s, s] matrices are fp16, whose 2^-11 rounding
-keeps the spectrum in the reference's band where bf16's 2^-8 moved the median singular value to 0.995
-(measured with heavy-tailed spectra, singular values k^-1, where one segment of six rounds or two of three
-left the band: 0.985 to 1.019). The normalisation divides the first Gram into fp16 (a raw Gram can overflow
-it) and each segment's Q is divided into bf16, folding in the normalisation and the factor c of the segment's
-last round, which is formed squared as in "squared" (the rounds before it need R_k afterwards and use the
-reference's baddbmm on [s, s]). A segment of two rounds takes one Gram and one application of the large
-matrix where "squared" takes two of each, and three more products of [s, s] ones: a gain only where s is
-large enough for cuBLAS to run [s, s] products near its peak and the long side is a few times s
-(``route_for``; on an H100, the whole cascade in a CUDA graph against "squared": the MLP bank's
-24 x 2816 x 768 2037 -> 1710 us, the qk bank's 48 x 256 x 768 279 -> 278 us, the vo bank's 16 x 768 x 768
-560 -> 706 us; perf/results/cascade_products.json). Not bitwise any other route, it is held to the same
-bounds as "folded" (tests/optim/test_polar_express.py).
+(``GRAM_SPACE_SEGMENTS``: three segments of two rounds; measured with heavy-tailed spectra, singular values
+k^-1, one segment of six rounds or two of three left the band: 0.985 to 1.019). The rounds' [s, s] matrices
+are fp16 (2^-11 rounding; each segment's Gram itself comes out of a bf16 bmm, rounded to bf16 first): the
+products of a segment compound their rounding, and in bf16 the band widened to about 0.991 to 1.010 where
+fp16 keeps 0.995 to 1.005 (the bank shapes on the CPU, random and heavy-tailed inputs). The normalisation
+divides the first Gram into fp16 (a raw Gram can overflow it) and each segment's Q is divided into bf16,
+folding in the normalisation and the factor c of the segment's last round, which is formed squared as in
+"squared" (the rounds before it need R_k afterwards and use the reference's baddbmm on [s, s]). Squaring the
+whole cascade's last round is safe here, unlike in "squared": the last segment's Q is a product of two
+rounds, not a multiple of I plus a small matrix, so its single rounding to bf16 does not fall the same way on
+every diagonal entry (the median singular value stays within the 0.2% the routes are held to). A segment
+of two rounds takes one Gram and one application of the large matrix where "squared" takes two of each,
+and three more products of [s, s] ones: a gain only where the long side is a few times s (``route_for``; on
+an H100, the whole cascade in a CUDA graph against "squared": the MLP bank's 24 x 2816 x 768 2037 -> 1710
+us, the qk bank's 48 x 256 x 768 279 -> 278 us, the vo bank's 16 x 768 x 768 560 -> 706 us;
+perf/results/cascade_products.json). Not bitwise any other route, it is held to the same bounds as
+"folded" (tests/optim/test_polar_express.py).
 
 Provenance: the maps and the trace trick are those of the upstream record "#360 (ANVIL2)"
 (``ANVIL_MAPS``, ``FROBENIUS_MARGIN``, ``FROBENIUS_EPS`` in modded-nanogpt's
@@ -109,20 +113,29 @@ GRAMS = ("bmm", "triton", "folded", "squared", "gram_space")
 GRAM_SPACE_SEGMENTS = (0, 2, 4)
 """The rounds at which the "gram_space" route forms X and takes its Gram afresh (the first is the input's)."""
 
-GRAM_SPACE_MIN_SIDE = 512
 GRAM_SPACE_MIN_ASPECT = 3.5
-"""``route_for`` sends a bank to "gram_space" only where its matrices' short side s is at least
-GRAM_SPACE_MIN_SIDE and the long side at least GRAM_SPACE_MIN_ASPECT times s (measured on an H100: faster at
-768 x 2816, no faster at 256 x 768, slower at 768 x 768; perf/results/cascade_products.json)."""
+"""``route_for`` sends a bank to "gram_space" only where its matrices' long side is at least this many times
+the short one. Measured on an H100 (perf/results/cascade_products.json): faster at 768 x 2816 (3.67), no
+faster at 256 x 768 (3.0), slower at 768 x 768 (1.0)."""
 
 
 def route_for(gram: str, rows: int, cols: int) -> str:
     """The route ``OptimConfig.cascade_gram`` gives a bank of [rows, cols] matrices: "gram_space" only where
     it measured faster (see ``GRAM_SPACE_MIN_ASPECT``), "squared" elsewhere; any other value as it is."""
-    s, long = min(rows, cols), max(rows, cols)
-    if gram == "gram_space" and not (s >= GRAM_SPACE_MIN_SIDE and long >= GRAM_SPACE_MIN_ASPECT * s):
+    if gram == "gram_space" and max(rows, cols) < GRAM_SPACE_MIN_ASPECT * min(rows, cols):
         return "squared"
     return gram
+
+
+def _segments() -> list[tuple[int, int]]:
+    """[start, stop) of each "gram_space" segment, from ``GRAM_SPACE_SEGMENTS``, checked."""
+    starts = tuple(GRAM_SPACE_SEGMENTS)
+    n = len(ANVIL_MAPS)
+    if not starts or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= n:
+        raise ValueError(
+            f"GRAM_SPACE_SEGMENTS={starts} must start at 0 and increase strictly below {n} (the rounds)."
+        )
+    return list(zip(starts, (*starts[1:], n)))
 
 
 def _squared_rounds(maps: tuple[tuple[float, float, float], ...]) -> tuple[list[tuple[float, float]], float]:
@@ -211,14 +224,14 @@ def scaled_to_bf16(t: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
 def _gram_space(x: torch.Tensor, margin: float, tall: bool) -> torch.Tensor:
     # The "gram_space" route (module docstring): per segment, the Gram of X (bf16) in fp16, the segment's
     # rounds on it, and X formed again from the rounds' product Q, divided into bf16.
-    bounds = (*GRAM_SPACE_SEGMENTS, len(ANVIL_MAPS))
     norm = None
-    for start, stop in zip(bounds, bounds[1:]):
+    for start, stop in _segments():
         gram = _gram(x, tall, "bmm")
-        if norm is None:
+        first = norm is None
+        if first:
             norm = _normaliser(gram, margin)
             r = scaled(gram, norm.square(), torch.float16)
-        else:  # divided by 1 (exact): the division kernel is twice as fast as torch's bf16 -> fp16 copy
+        else:  # divided by 1, which is exact: the same kernel as every other change of precision here
             r = scaled(gram, torch.ones_like(norm), torch.float16)
         q = None
         for k in range(start, stop):
@@ -231,7 +244,8 @@ def _gram_space(x: torch.Tensor, margin: float, tall: bool) -> torch.Tensor:
                 delta = b / (2 * c)
                 factor = _squared_poly(r, delta, a / c - delta**2)
             q = factor if q is None else torch.bmm(factor, q)
-        divisor = norm / c if start == 0 else torch.full_like(norm, 1 / c)
+        last_c = ANVIL_MAPS[stop - 1][2]
+        divisor = norm / last_c if first else torch.full_like(norm, 1 / last_c)
         q = scaled(q, divisor, x.dtype)
         x = torch.bmm(x, q.mT) if tall else torch.bmm(q, x)  # X^T <- Q X^T for a tall X
     return x
@@ -305,10 +319,11 @@ def cascade_flops(batch: int, rows: int, cols: int, gram: str = "bmm") -> int:
     the segment's last, and F Q in every round but its first.
     """
     s, long = min(rows, cols), max(rows, cols)
+    if gram not in GRAMS:
+        raise ValueError(f"cascade_flops: gram={gram!r} must be one of {list(GRAMS)}.")
     if gram == "gram_space":
-        bounds = (*GRAM_SPACE_SEGMENTS, len(ANVIL_MAPS))
         total = 0
-        for start, stop in zip(bounds, bounds[1:]):
+        for start, stop in _segments():
             rounds = stop - start
             total += 2 * (2 * long * s * s) + (rounds + 2 * (rounds - 1) + (rounds - 1)) * 2 * s**3
         return batch * total

@@ -101,7 +101,8 @@ def div_(t: torch.Tensor, divisor: torch.Tensor, out: torch.Tensor) -> torch.Ten
 
 def launch_(t: torch.Tensor, divisor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """:func:`div_` without its checks, for a caller that has asked :func:`supports` already (the cascade's
-    normalisation, once a bank update and step) and passes a contiguous bf16 or fp16 ``out`` shaped as t."""
+    normalisation and the Gram-space route's changes of precision, up to six calls a bank update) and passes a
+    contiguous bf16 or fp16 ``out`` shaped as t."""
     per_matrix = t[0].numel() if t.size(0) else 0
     if per_matrix == 0:
         return out
