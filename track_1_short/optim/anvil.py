@@ -152,7 +152,7 @@ class OptimConfig:
     absorbs c), so that no baddbmm copies the small matrix either; the same bounds, the same tests. On an H100
     the step for all banks 4.03 -> 3.78 ms against "folded" (optimizer_squared.json); the record presets use
     it, the base config keeps the reference. "gram_space": the rounds run on the fp16 Gram matrix, X formed
-    again every two rounds (Gram Newton-Schulz), on the banks whose matrices are large and long enough for it
+    again every two rounds (Gram Newton-Schulz), on the banks whose matrices are long enough for it
     to pay (``polar_express.route_for``: the track-1 MLP bank), "squared" on the others; the same bounds,
     the same tests. On an H100 the step for all banks 3.56 -> 3.30 ms against "squared"
     (optimizer_gram_space.json); the record presets use it."""

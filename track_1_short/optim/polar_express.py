@@ -237,7 +237,7 @@ def _gram_space(x: torch.Tensor, margin: float, tall: bool) -> torch.Tensor:
         for k in range(start, stop):
             a, b, c = ANVIL_MAPS[k]
             if k + 1 < stop:  # R_k is needed for R_{k+1}: the reference's polynomial, which copies R_k
-                factor = torch.baddbmm(r, r, r, beta=b, alpha=c)
+                factor = _poly(r, b, c, "bmm")
                 factor.diagonal(dim1=-2, dim2=-1).add_(a)
                 r = torch.bmm(factor, torch.bmm(factor, r))  # F R F, F a polynomial in R
             else:  # F / c as the squared route forms it; c goes into the division below
