@@ -11,9 +11,10 @@ garbage collector off. The public calls (launch_reduce, update, zero_grad) run u
 them are replaced, on the instance only, by wrappers that read the clock around them (a few hundred
 nanoseconds each, charged to the piece). Pieces:
 
-- device: ``read_addresses`` (the 13 .grad reads), ``event_sync`` (the wait before the pinned rows are
-  rewritten), ``gather_replay``, ``write_inputs`` (step counters and the per-step row), ``update_replay``,
-  ``event_record``;
+- device: ``read_gradients`` (the 13 .grad reads and their addresses), ``check_held`` (one process: the
+  held gradients' versions), ``fence_wait`` (the check, without a CUDA call, that the last graph has copied
+  the pinned rows), ``write_inputs`` (step counters and the per-step rows), ``update_replay`` (one process:
+  gather, table and Adam), and with several processes ``gather_replay`` in launch_reduce;
 - fused: ``foreach_copy`` (one per dtype), ``ring_wait`` (the upload ring's slot), ``table_write``, then
   on CUDA ``graph_replay`` (the slot's upload and both launches) and ``event_record``, without CUDA graphs
   ``upload`` (the copy and its event) and ``launch_0``/``launch_1`` (one Triton launch per dtype);
@@ -77,12 +78,6 @@ class Clock:
         self.samples[(call, "rest")].append(total - sum(self.current.values()))
 
 
-class _TimedEvent:
-    def __init__(self, event, clock: Clock):
-        self.synchronize = clock.wrap("event_sync", event.synchronize)
-        self.record = clock.wrap("event_record", event.record)
-
-
 class _TimedGraph:
     def __init__(self, graph, clock: Clock, name: str):
         self.replay = clock.wrap(name, graph.replay)
@@ -91,11 +86,13 @@ class _TimedGraph:
 def instrument_device(opt, clock: Clock) -> None:
     """Clocks around the device path's inner calls (its graphs must be captured: run a few steps first)."""
     step = opt._device_mode
-    step._read_addresses = clock.wrap("read_addresses", step._read_addresses)
+    step._read_gradients = clock.wrap("read_gradients", step._read_gradients)
+    step._check_held = clock.wrap("check_held", step._check_held)
     step._write_inputs = clock.wrap("write_inputs", step._write_inputs)
     if step.use_graphs:
-        step._rows_read = _TimedEvent(step._rows_read, clock)
-        step.gather_graph = _TimedGraph(step.gather_graph, clock, "gather_replay")
+        step._fence.wait = clock.wrap("fence_wait", step._fence.wait)
+        if step.gather_graph is not None:
+            step.gather_graph = _TimedGraph(step.gather_graph, clock, "gather_replay")
         step.update_graph = _TimedGraph(step.update_graph, clock, "update_replay")
 
 

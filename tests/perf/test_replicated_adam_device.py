@@ -269,8 +269,11 @@ def test_gradients_stay_where_autograd_puts_them_and_the_gather_copies_their_bit
     for group in opt.groups:
         group.grad.fill_(float("nan"))  # whatever the gather does not write stays NaN
     expected = [p.grad.clone() if p.grad is not None else None for p in trainer.params]
-    opt.launch_reduce()  # one process: the all_reduce leaves the gathered values as they are
+    opt.launch_reduce()
     assert opt._device_mode.arrived == [i != 3 for i in range(len(trainer.params))]
+    # One process: the gather waits for update(), and the update reads the gathered values, never writes them.
+    assert opt._device_mode.gather_in_update
+    opt.update()
     for group in opt.groups:
         for k, i in enumerate(group.indices):
             got = group.grad[group.span(k)]
@@ -278,7 +281,6 @@ def test_gradients_stay_where_autograd_puts_them_and_the_gather_copies_their_bit
                 assert_bitwise(got, torch.zeros_like(got), "missing gradient's slice")
             else:
                 assert_bitwise(got, expected[i].reshape(-1), f"gathered grad {i}")
-    opt.update()
     assert [s["step"] for s in trainer.states] == [0 if i == 3 else 1 for i in range(len(trainer.params))]
 
 
@@ -290,14 +292,17 @@ def test_a_gradient_present_at_construction_is_gathered_and_counts_as_active():
     opt = ReplicatedAdam(params, cfgs, states, "cpu", impl="device")
     assert all(p.grad is g for p, g in zip(params, grads))
     opt.launch_reduce()
+    opt.update()
     for group in opt.groups:
         assert torch.all(group.grad == 0.5)
-    opt.update()
     assert all(s["step"] == 1 for s in states)
 
 
-def test_a_gradient_that_arrives_after_launch_reduce_waits_for_the_next_step_as_in_the_fused_path():
+def test_with_the_gather_in_launch_reduce_a_late_gradient_waits_for_the_next_step_as_in_the_fused_path():
+    # Several processes gather in launch_reduce() (the reduce follows); one process refuses an in-place change
+    # in between (the test below), so this runs the gather where several processes have it.
     fused, device = _trainers(seed=20, impls=("fused", "device"))
+    device.opt._device_mode.gather_in_update = False
     gen = torch.Generator().manual_seed(21)
     first, late, third = (_weights(fused.params, gen) for _ in range(3))
     for t in (fused, device):
@@ -312,18 +317,22 @@ def test_a_gradient_that_arrives_after_launch_reduce_waits_for_the_next_step_as_
     _assert_same(device, fused)
 
 
-def test_gradients_dropped_replaced_or_changed_in_place_after_launch_reduce_give_the_fused_bits():
-    # launch_reduce() has gathered them (queued ahead of anything later on the GPU): what happens to .grad
-    # afterwards belongs to the next step, in both paths.
+@pytest.mark.parametrize("gather_in_update", [True, False], ids=["one_graph", "gather_graph"])
+def test_gradients_dropped_or_replaced_after_launch_reduce_give_the_fused_bits(gather_in_update):
+    # Gathered in launch_reduce() (several processes), what happens to .grad afterwards belongs to the next
+    # step, changes in place included; gathered in update() (one process), launch_reduce() holds the gradients
+    # it saw, and an in-place change is refused (the test below).
     fused, device = _trainers(seed=32, impls=("fused", "device"))
+    device.opt._device_mode.gather_in_update = gather_in_update
     gen = torch.Generator().manual_seed(33)
+    kinds = 2 if gather_in_update else 3
     for step in range(6):
         weights, other = _weights(fused.params, gen), _weights(fused.params, gen)
         for t in (fused, device):
             t.backward(weights)
             t.opt.launch_reduce()
             for i, p in enumerate(t.params):
-                kind = (i + step) % 3
+                kind = (i + step) % kinds
                 if kind == 0:
                     p.grad = None
                 elif kind == 1:
@@ -333,6 +342,22 @@ def test_gradients_dropped_replaced_or_changed_in_place_after_launch_reduce_give
             t.opt.update()
             t.opt.zero_grad()
     _assert_same(device, fused)
+
+
+def test_a_gradient_changed_in_place_after_launch_reduce_is_refused_naming_it_before_anything_is_written():
+    (trainer,) = _trainers(seed=34, impls=("device",))
+    opt = trainer.opt
+    trainer.backward(_weights(trainer.params, torch.Generator().manual_seed(35)))
+    opt.launch_reduce()
+    trainer.params[5].grad.mul_(2.0)  # mudd_w1
+    params = [p.detach().clone() for p in trainer.params]
+    moments = [s["exp_avg"].clone() for s in trainer.states]
+    with pytest.raises(ReplicatedAdamError, match=r"parameter 5 \(mudd_w1\): \.grad was changed in place"):
+        opt.update()
+    for i, (p, s) in enumerate(zip(trainer.params, trainer.states)):
+        assert_bitwise(p, params[i], f"param {i} after the refusal")
+        assert_bitwise(s["exp_avg"], moments[i], f"exp_avg {i} after the refusal")
+        assert s["step"] == 0, f"step {i} after the refusal"
 
 
 def test_zero_grad_drops_every_gradient():
@@ -382,10 +407,14 @@ def test_a_beta_too_close_to_one_for_the_correction_table_is_rejected():
 # ---- CUDA graphs (GPU) ----------------------------------------------------------------------------------
 
 
-def _cuda_pair(seed):
+def _cuda_pair(seed, gather_in_update=True):
+    """A fused and a device ReplicatedAdam on the same values; ``gather_in_update=False`` makes the device one
+    gather in launch_reduce() through its own graph, as several processes do (one process has no reduce to
+    capture, so only the gather moves)."""
     params, cfgs, states = make_inventory(seed=seed, wd_boost=100.0, device="cuda")
     fused = ReplicatedAdam(*clone_inventory(params, cfgs, states), "cuda", impl="fused")
     device = ReplicatedAdam(params, cfgs, states, "cuda", impl="device")
+    device._device_mode.gather_in_update = gather_in_update
     return fused, device
 
 
@@ -399,16 +428,21 @@ def _cuda_step(opt, weights, do_adam):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_mode_equals_the_fused_path_bitwise_over_a_hundred_adam_steps():
-    fused, device = _cuda_pair(seed=25)
+@pytest.mark.parametrize("gather_in_update", [True, False], ids=["one_graph", "gather_graph"])
+def test_cuda_graph_mode_equals_the_fused_path_bitwise_over_a_hundred_adam_steps(gather_in_update):
+    fused, device = _cuda_pair(seed=25, gather_in_update=gather_in_update)
     gen = torch.Generator().manual_seed(26)
     for step in range(200):
         weights = [w.cuda() for w in _weights(fused.params, gen)]
         _cuda_step(fused, weights, step % 2 == 1)
         _cuda_step(device, weights, step % 2 == 1)
     mode = device._device_mode
-    assert mode.graphs_trusted and mode.update_graph is not None and mode.gather_graph is not None
+    assert mode.graphs_trusted and mode.update_graph is not None
+    assert (mode.gather_graph is None) == gather_in_update  # one replay per step, or two
     torch.cuda.synchronize()
+    # 100 Adam steps: the first runs eagerly and replays once to check the capture, the others replay; each
+    # of those runs signals the fence once, and every signal has landed in the pinned count.
+    assert mode._fence.enqueued == 101 == mode._fence.arrived
     for i, (a, b) in enumerate(zip(device.params, fused.params)):
         assert_bitwise(a, b, f"param {i}")
         assert_bitwise(device.param_states[i]["exp_avg_sq"], fused.param_states[i]["exp_avg_sq"], f"v {i}")
@@ -416,28 +450,42 @@ def test_cuda_graph_mode_equals_the_fused_path_bitwise_over_a_hundred_adam_steps
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "method, buffer, match",
+    "method, buffer, gather_in_update, match",
     [
-        ("_launch_update_kernels", "exp_avg", "CUDA graph of the replicated Adam step disagrees"),
-        ("_gather", "grad", "CUDA graph of the replicated gradient gather disagrees"),
+        ("_launch_update_kernels", "exp_avg", True, "CUDA graph of the replicated Adam step disagrees"),
+        (
+            "_gather",
+            "grad",
+            True,
+            r"CUDA graph of the replicated Adam step disagrees with the eager step in .*grad",
+        ),
+        ("_launch_update_kernels", "exp_avg", False, "CUDA graph of the replicated Adam step disagrees"),
+        ("_gather", "grad", False, "CUDA graph of the replicated gradient gather disagrees"),
     ],
 )
-def test_cuda_graph_that_disagrees_with_the_eager_call_is_refused(monkeypatch, method, buffer, match):
-    _, device = _cuda_pair(seed=27)
+def test_cuda_graph_that_disagrees_with_the_eager_call_is_refused(
+    monkeypatch, method, buffer, gather_in_update, match
+):
+    _, device = _cuda_pair(seed=27, gather_in_update=gather_in_update)
     step = device._device_mode
     wrong_inside_the_capture(monkeypatch, step, method, lambda: getattr(device.groups[0], buffer).add_(1.0))
     weights = [w.cuda() for w in _weights(device.params, torch.Generator().manual_seed(28))]
     with pytest.raises(RuntimeError, match=match):
         _cuda_step(device, weights, do_adam=True)
-    assert not step.graphs_trusted and (method != "_gather" or step.gather_graph is None)
+    assert not step.graphs_trusted and step.update_graph is None
+    assert method != "_gather" or step.gather_graph is None
 
 
 @pytest.mark.gpu
-def test_gradients_dropped_right_after_launch_reduce_and_their_memory_reused_give_the_fused_bits():
+@pytest.mark.parametrize("gather_in_update", [True, False], ids=["one_graph", "gather_graph"])
+def test_gradients_dropped_right_after_launch_reduce_and_their_memory_reused_give_the_fused_bits(
+    gather_in_update,
+):
     # The gather runs late (behind a spin kernel) while the host drops every .grad and fills new tensors of
-    # the same sizes with NaN: the caching allocator may hand the freed blocks straight back, and only stream
-    # order keeps the gather reading the gradients rather than the NaNs.
-    fused, device = _cuda_pair(seed=30)
+    # the same sizes with NaN: the caching allocator may hand the freed blocks straight back. With the gather
+    # in launch_reduce() stream order keeps it reading the gradients rather than the NaNs; with the gather in
+    # update() the references launch_reduce() holds keep the blocks from being handed back.
+    fused, device = _cuda_pair(seed=30, gather_in_update=gather_in_update)
     gen = torch.Generator().manual_seed(31)
     for _ in range(6):
         weights = [w.cuda() for w in _weights(fused.params, gen)]

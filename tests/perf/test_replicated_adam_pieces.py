@@ -13,8 +13,8 @@ pieces = load_perf_script("bench_replicated_adam_pieces")
 EXPECTED = {
     ("fused", "launch_reduce"): {"foreach_copy"},
     ("fused", "update"): {"ring_wait", "table_write", "upload", "launch_0", "launch_1"},
-    ("device", "launch_reduce"): {"read_addresses"},
-    ("device", "update"): {"write_inputs"},
+    ("device", "launch_reduce"): {"read_gradients"},
+    ("device", "update"): {"check_held", "write_inputs"},
 }
 
 

@@ -4,10 +4,11 @@ What it replaces (``ReplicatedAdam(..., impl="device")``, OptimConfig.replicated
 perf/replicated_adam.py's host path): per Adam step, the NumPy scalar table, its pinned upload and event wait,
 the foreach copy of the gradients into the flat buffers, one all_reduce and one Triton launch per dtype.
 
-Why it is faster: the host writes two small rows of numbers into pinned memory and replays CUDA graphs.
+Why it is faster: the host writes two small rows of numbers into pinned memory and replays CUDA graphs; with
+one process that is one replay per Adam step and no other CUDA call.
 - Gradients are gathered on the device. Autograd leaves each .grad where it likes (a fresh tensor every
-  step); launch_reduce() writes the 13 data pointers (0 for a parameter without a gradient) into a pinned
-  int64 row and replays the gather graph: a host-to-device copy of that row, then one Triton launch that
+  step); their 13 data pointers (0 for a parameter without a gradient) go into a pinned int64 row, and the
+  gather is a host-to-device copy of that row, then one Triton launch that
   copies every element of every gradient into its flat buffer, reading its source address from the row
   by segment id. No gradient hooks, no views, no in-place adds in the backward: the backward is the same
   as for the other paths, and a graph that reads addresses as data follows tensors that move every step.
@@ -19,10 +20,15 @@ Why it is faster: the host writes two small rows of numbers into pinned memory a
   stale counter on the device.
 - One Adam launch for every dtype.
 - On CUDA the gather, the reduce (NCCL, with several processes) and the update (table kernel and Adam kernel)
-  are CUDA graphs, replayed.
-Measured on an H100 (perf/RESULTS.md, perf/bench_replicated_adam.py, the record's 13 tensors, gradients
-arriving fresh from a backward): 111.0 host us per Adam step against 238.5 for "fused" and 1,408 for the
-per-parameter path, bitwise equal to both.
+  are CUDA graphs, replayed. With one process there is no reduce to start early, so the gather waits for
+  update() and rides in the update graph: one replay per Adam step. launch_reduce() then only reads the
+  addresses and holds the gradients. With several processes launch_reduce() replays the gather and the
+  reduce, update() the update.
+- The host learns that the last update graph has copied the pinned rows from a fence (perf/graph_fence.py)
+  that the graph signals into pinned memory: a load from memory where an event's record and wait were two
+  CUDA calls.
+Measured in perf/RESULTS.md (perf/bench_replicated_adam.py, the record's 13 tensors, gradients arriving fresh
+from a backward; "Replicated Adam per Adam step").
 
 Invariants (each tested in tests/perf/test_replicated_adam_device.py):
 1. The same bits as the per-parameter and fused paths: across gradient accumulation over non-Adam steps,
@@ -33,9 +39,12 @@ Invariants (each tested in tests/perf/test_replicated_adam_device.py):
 3. The gather copies each gradient's bits as they are and writes zeros for a parameter without one; a
    parameter is active when it has a .grad at launch_reduce(), as in the fused path; a gradient that is not
    contiguous is refused, naming the parameter, before anything is written.
-4. A pinned row is rewritten only after the event recorded behind the last update graph, which follows the
-   last gather graph in stream order; a gradient freed after launch_reduce() is safe, as its block is
-   reused only by work queued behind the gather on the same stream.
+4. A pinned row is rewritten only after the fence signal at the end of the last update graph has run, which
+   follows the last gather in stream order. A gradient dropped or replaced after launch_reduce() is safe:
+   with the gather in launch_reduce() its block is reused only by work queued behind the gather on the same
+   stream; with the gather in update() launch_reduce() holds it. A gradient changed in place in between (an
+   explicit in-place op, or a backward accumulating into it) is refused in update(), naming the parameter,
+   before anything is written: the fused path would have copied the old values.
 5. A CUDA graph is trusted only after one replay matched the eager step bit for bit (a reduce graph that does
    not match is dropped on every rank, the reduce then stays eager).
 
@@ -49,18 +58,20 @@ reach the device as address tables.
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from track_1_short import distributed
 from track_1_short.optim.adam import first_moment_correction, second_moment_correction
 from track_1_short.perf.graph_check import same_bits
+from track_1_short.perf.graph_fence import GraphFence
 from track_1_short.perf.kernels import replicated_adam as kernels
 from track_1_short.perf.kernels.replicated_adam import STEP_INPUTS
 from track_1_short.perf.replicated_adam import (
-    CurrentStream,
     ReplicatedAdamError,
     UploadRing,
     describe,
@@ -133,14 +144,13 @@ class DeviceStep:
         self.inputs = torch.zeros((len(STEP_INPUTS), n), dtype=torch.float64, device=device)
         self.use_graphs = use_cuda_graphs and device.type == "cuda"
         if self.use_graphs:
-            # The graphs copy from fixed pinned rows. The host rewrites them only after the event recorded
-            # behind the last update graph, which ran after the last gather graph (the step before).
+            # The graphs copy from fixed pinned rows. The host rewrites them only once the fence signal at the
+            # end of the last update graph has run, which follows the last gather in stream order.
             self._pinned_addresses = torch.zeros(n, dtype=torch.int64, pin_memory=True)
             self._pinned_inputs = torch.zeros(self.inputs.shape, dtype=torch.float64, pin_memory=True)
             self._address_row = self._pinned_addresses.numpy()
             self._pinned_rows = self._pinned_inputs.numpy()
-            self._rows_read = torch.cuda.Event()
-            self._stream = CurrentStream(device)  # record() without a stream builds a Stream object per call
+            self._fence = GraphFence(device)
         else:
             self.address_ring = UploadRing(self.addresses)
             self.ring = UploadRing(self.inputs)
@@ -152,9 +162,18 @@ class DeviceStep:
         self.arrived = [False] * n
         self._reduce_pending = False
         self._handles: list[distributed.Handle] = []
+        # With one process there is no reduce to start early, so the gather waits for update() and rides in
+        # its graph: one replay per Adam step. launch_reduce() holds this step's gradients (alive, whoever
+        # drops .grad meanwhile) and their versions (a gradient changed in place in between is refused).
+        self.gather_in_update = distributed.world_size() == 1
+        self._held: list[torch.Tensor | None] = []
+        self._versions: list[int] = []
+        self._addresses: list[int] = []
+        # The per-step inputs, read from each parameter's config in one call per parameter.
+        self._read_config = operator.attrgetter("lr", "lr_mul", "weight_decay", "wd_mul", "adam_betas", "eps")
 
         # NCCL can be captured; with one process there is no collective to capture.
-        self.reduce_in_graph = self.use_graphs and distributed.world_size() > 1
+        self.reduce_in_graph = self.use_graphs and not self.gather_in_update
         self.graphs_trusted = False
         self.gather_graph = None
         self.reduce_graph = None
@@ -194,12 +213,13 @@ class DeviceStep:
 
     # ---- the step -----------------------------------------------------------------------------------------
 
-    def _read_addresses(self) -> list[int]:
-        """This step's gradient addresses, 0 where a parameter has none; refuses a gradient the gather cannot
-        read as its parameter's elements in order (autograd's own are contiguous, as the parameters are)."""
+    def _read_gradients(self) -> tuple[list[torch.Tensor | None], list[int]]:
+        """This step's gradients and their addresses, 0 where a parameter has none; refuses a gradient the
+        gather cannot read as its parameter's elements in order (autograd's own are contiguous, as the
+        parameters are)."""
+        grads = [p.grad for p in self.params]
         addresses = []
-        for i, p in enumerate(self.params):
-            grad = p.grad
+        for i, grad in enumerate(grads):
             if grad is None:
                 addresses.append(0)
             elif grad.is_contiguous():
@@ -209,7 +229,18 @@ class DeviceStep:
                     f"{describe(self.params, i)}: .grad is not contiguous (strides {grad.stride()}); "
                     "impl='device' gathers gradients as flat memory: assign p.grad = g.contiguous()"
                 )
-        return addresses
+        return grads, addresses
+
+    def _check_held(self) -> None:
+        """Refuse gradients changed in place since launch_reduce() (the deferred gather would read the new
+        values, where the fused path copied the old ones), before anything is written."""
+        for i, (grad, version) in enumerate(zip(self._held, self._versions)):
+            if grad is not None and grad._version != version:
+                raise ReplicatedAdamError(
+                    f"{describe(self.params, i)}: .grad was changed in place between launch_reduce() and "
+                    "update(); with one process impl='device' reads the gradients in update(): finish "
+                    "changing them before launch_reduce(), or use impl='fused'"
+                )
 
     def _upload_and_gather(self) -> None:
         if self.use_graphs:
@@ -220,20 +251,21 @@ class DeviceStep:
     def launch_reduce(self) -> None:
         if self._reduce_pending:
             raise ReplicatedAdamError("launch_reduce() called twice without update() in between")
-        addresses = self._read_addresses()  # may raise: nothing is written before it returns
-        if self.use_graphs:
-            self._rows_read.synchronize()  # the last graphs have copied both pinned rows
-            self._address_row[:] = addresses
-            if self.gather_graph is not None:
-                self.gather_graph.replay()
-            else:
-                self._capture_gather()
-        else:
-            self.address_ring.host_buffer()[:] = addresses
-            self.address_ring.upload()
-            self._gather()
+        grads, addresses = self._read_gradients()  # may raise: nothing is written before it returns
         self.arrived = [a != 0 for a in addresses]
         self._reduce_pending = True
+        if self.gather_in_update:
+            # No CUDA call: update() writes the addresses with the inputs and replays one graph.
+            self._held, self._addresses = grads, addresses
+            self._versions = [0 if g is None else g._version for g in grads]
+            return
+        self._write_addresses(addresses)
+        if not self.use_graphs:
+            self._gather()
+        elif self.gather_graph is not None:
+            self.gather_graph.replay()
+        else:
+            self._capture_gather()
         if self.use_graphs and not self.graphs_trusted and self.reduce_in_graph:
             # The first step is also the reduce graph's check: keep the gradients as they were before it.
             self._pre_reduce = [group.grad.clone() for group in self.groups]
@@ -242,6 +274,15 @@ class DeviceStep:
             self._handles = []
         else:
             self._handles = [distributed.all_reduce_avg(group.grad, async_op=True) for group in self.groups]
+
+    def _write_addresses(self, addresses: list[int]) -> None:
+        """This step's gradient addresses into the row the gather reads (uploaded at once without graphs)."""
+        if self.use_graphs:
+            self._fence.wait()  # the last graph has copied both pinned rows
+            self._address_row[:] = addresses
+        else:
+            self.address_ring.host_buffer()[:] = addresses
+            self.address_ring.upload()
 
     def zero_grad(self) -> None:
         if self._reduce_pending:
@@ -255,27 +296,25 @@ class DeviceStep:
         Returns whether a beta or eps changed since the static data was built (read in the same pass).
         """
         if self.use_graphs:
-            rows = self._pinned_rows  # free to rewrite: launch_reduce() waited for the last update graph
+            rows = self._pinned_rows  # free to rewrite: the fence has seen the last update graph run
         else:
             rows = self.ring.host_buffer()
-        n = len(self.params)
-        lr, lr_mul, weight_decay, wd_mul = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
-        step, active = [0.0] * n, [0.0] * n
-        changed = False
-        for i, (cfg, state, is_active, key) in enumerate(
-            zip(self.cfgs, self.states, self.arrived, self._static_key)
-        ):
+        values = list(map(self._read_config, self.cfgs))
+        for state, is_active in zip(self.states, self.arrived):
             if is_active:
                 state["step"] += 1
-                active[i] = 1.0
-            step[i] = state["step"]
-            lr[i], lr_mul[i], weight_decay[i], wd_mul[i] = cfg.lr, cfg.lr_mul, cfg.weight_decay, cfg.wd_mul
-            betas = cfg.adam_betas
-            changed = changed or betas[0] != key[0] or betas[1] != key[1] or cfg.eps != key[2]
-        rows[0], rows[1], rows[2], rows[3], rows[4], rows[5] = lr, lr_mul, weight_decay, wd_mul, step, active
+        rows[:4] = np.array([v[:4] for v in values], dtype=np.float64).T
+        rows[4] = [state["step"] for state in self.states]
+        rows[5] = self.arrived
         if not self.use_graphs:
             self.ring.upload()
-        return changed
+        return [(*v[4], v[5]) for v in values] != self._static_key
+
+    def _launch_step_kernels(self) -> None:
+        """What the update graph holds: the gather too when it waits for update() (one process)."""
+        if self.gather_in_update:
+            self._upload_and_gather()
+        self._launch_update_kernels()
 
     def _launch_update_kernels(self) -> None:
         if self.use_graphs:
@@ -284,10 +323,15 @@ class DeviceStep:
         kernels.device_scalar_table_(self.owner.table, self.inputs, self.corrections, self.correction_index)
         # The gather rewrites every element of the gradient buffers: nothing to clear here.
         kernels.launch_fused_adam_groups(self.group_args, self.owner.table, self.owner.block)
+        if self.use_graphs:
+            self._fence.signal()  # the pinned rows may be rewritten once this has run
 
     def update(self) -> None:
         if not self._reduce_pending:
             raise ReplicatedAdamError("update() called without launch_reduce(); call launch_reduce() first")
+        if self.gather_in_update:
+            self._check_held()  # may raise: nothing is written before it returns
+            self._write_addresses(self._addresses)
         if self._write_inputs():
             self._refresh_static()
         if self.use_graphs and not self.graphs_trusted:
@@ -297,11 +341,11 @@ class DeviceStep:
                 handle.wait()
             if self.update_graph is not None:
                 self.update_graph.replay()
+                self._fence.count()
             else:
-                self._launch_update_kernels()
-        if self.use_graphs:
-            self._rows_read.record(self._stream())
+                self._launch_step_kernels()
         self._handles = []
+        self._held = []
         self._reduce_pending = False
         self.arrived = [False] * len(self.params)
 
@@ -341,10 +385,15 @@ class DeviceStep:
         capture_reduce = self.reduce_in_graph and self._pre_reduce is not None
         reduced = [group.grad.clone() for group in self.groups]
         before = self.owner._flat_snapshot()
-        self._launch_update_kernels()
+        self._launch_step_kernels()
+        self._fence.count()
         eager = self.owner._flat_snapshot()
 
-        self.owner._load_flat_snapshot(before, self._pre_reduce if capture_reduce else reduced)
+        if self.gather_in_update:  # the graph gathers again: a replay that writes nothing cannot pass
+            grads_before = [torch.full_like(g.grad, float("nan")) for g in self.groups]
+        else:
+            grads_before = self._pre_reduce if capture_reduce else reduced
+        self.owner._load_flat_snapshot(before, grads_before)
         torch.cuda.synchronize(self.owner.device)
         if capture_reduce:
             self.reduce_graph = torch.cuda.CUDAGraph()
@@ -353,7 +402,7 @@ class DeviceStep:
                     distributed.all_reduce_avg(group.grad)
         self.update_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.update_graph, capture_error_mode="thread_local"):
-            self._launch_update_kernels()
+            self._launch_step_kernels()
         if capture_reduce:
             self.reduce_graph.replay()
             differs = torch.tensor(
@@ -372,6 +421,7 @@ class DeviceStep:
                 for group, grad in zip(self.groups, reduced):
                     group.grad.copy_(grad)
         self.update_graph.replay()
+        self._fence.count()
         self._pre_reduce = None
         differing = self.owner._flat_snapshot_differences(eager, self.owner._flat_snapshot())
         if differing:
