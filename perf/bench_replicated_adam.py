@@ -15,7 +15,9 @@ elements, bf16 and fp32, three beta pairs). Paths, each from the same initial va
 - ``device``: ``ReplicatedAdam(impl="device")``: gradients gathered on the device through a table of their
   addresses, device table, one kernel for every dtype, CUDA graphs on CUDA;
 - ``torch_adam``: ``torch.optim.Adam`` (fused=True on CUDA), one group per tensor, after per-parameter
-  all_reduces; its arithmetic differs (no cautious decay), so it is timed, not compared.
+  all_reduces; its arithmetic differs (no cautious decay), so it is timed, not compared;
+- ``device_split`` (only when named in ``--paths``): ``device`` laid out as with several processes, the
+  gather replayed in launch_reduce() and the update in update(), where one process has one replay per step.
 
 Method. One repetition of a path is its whole training-step share: one backward that delivers precomputed
 gradients (a new scale each step) as fresh tensors, the way a model's backward does (whatever a path hooks
@@ -26,7 +28,10 @@ garbage collector off. A path's step cost is the median over rounds of its repet
 the same round, with a bootstrap 95% interval of that median; a cost whose interval reaches zero is "below
 noise": no number and no ratio is made from it. On CUDA each repetition starts on an idle queue behind a spin
 kernel longer than the repetition's enqueue (the GPU stays busy ahead of the host, as behind a training step's
-backward), so CUDA events around it time the device's work, not the host's pace. Columns:
+backward), so CUDA events around it time the device's work, not the host's pace. The event that closes a
+repetition is recorded inside its host clock, the baseline's too: a training step always makes a CUDA call
+after its backward, and whichever call comes first pays for the backward's hand-over (see
+interleaved_samples). Columns:
 
 - ``host_us``, ``device_us``: the step cost in host enqueue time and in device time (events; None on CPU),
   or "below noise"; ``*_ci``: the 95% interval of that median;
@@ -85,6 +90,8 @@ RECORD = [
 ]
 ADAM_LR, ADAM_EPS, ADAM_WD = 0.008, 1e-10, 0.005  # the record's Adam settings
 PATHS = ("per_param", "fused", "device", "torch_adam")
+# Selectable with --paths, not run by default: the device path laid out as with several processes.
+EXTRA_PATHS = ("device_split",)
 SETS = ("record", "synthetic")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
 # aten ops that only allocate or re-describe memory: no kernel on a GPU, not counted as launches on the CPU.
@@ -217,6 +224,16 @@ class Device(Fused):
     impl = "device"
 
 
+class DeviceSplit(Device):
+    """impl="device" laid out as with several processes: the gather replayed in launch_reduce(), the update
+    in update(). With one process the gather otherwise waits for update() and rides in its graph (one replay
+    per Adam step); this path measures what that saves."""
+
+    def __init__(self, params, cfgs, states, device, block):
+        super().__init__(params, cfgs, states, device, block)
+        self.opt._device_mode.gather_in_update = False
+
+
 class TorchAdam:
     def __init__(self, params, cfgs, states, device, block):
         self.params, self.cfgs = params, cfgs
@@ -258,7 +275,13 @@ class BackwardOnly:
             p.grad = None
 
 
-PATH_CLASSES = {"per_param": PerParam, "fused": Fused, "device": Device, "torch_adam": TorchAdam}
+PATH_CLASSES = {
+    "per_param": PerParam,
+    "fused": Fused,
+    "device": Device,
+    "torch_adam": TorchAdam,
+    "device_split": DeviceSplit,
+}
 
 
 # ---- measuring ---------------------------------------------------------------------------------------------
@@ -323,10 +346,14 @@ def phase_times(runner: Runner, count: int, device: torch.device) -> list[dict]:
 
     Phases: "backward" (whatever the path hooks into it included), then the path's step as
     its public calls where it has step_phases() (ReplicatedAdam: launch_reduce, update, zero_grad), else
-    "step". Each repetition starts on an idle queue, as in interleaved_samples; no baseline is subtracted.
+    "step", then on CUDA "event", the event that closes a repetition in interleaved_samples.
+    Each repetition starts on an idle queue, as in interleaved_samples; no baseline is subtracted.
     """
     path = runner.path
     step = getattr(path, "step_phases", lambda: [("step", path.step)])()
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        step = [*step, ("event", event.record)]
     names = ["backward", *(n for n, _ in step)]
     times = {n: np.empty(count) for n in names}
     with collector_off():
@@ -391,6 +418,12 @@ def interleaved_samples(
     On CUDA ``lead_s`` gives each runner's spin-kernel length; each repetition starts on an idle queue (synced
     before, outside the host timing) and its device time is the CUDA-event interval around it. The order
     depends only on ``seed``, so every rank of a torchrun runs the same collectives in the same order.
+
+    The closing event is recorded inside the host clock. The first CUDA call after a backward costs more host
+    time than the same call later (10 us more on a fast H100 host, 54 us more on a slow one: perf/RESULTS.md,
+    "where each path's host time goes"), and it lands on whichever call comes first. In a training step some
+    call always follows the backward, whatever the optimizer, so that cost belongs to the backward: timed this
+    way the baseline pays it at its closing event, and a path's cost is what its own calls add.
     """
     names = list(runners)
     cuda = device.type == "cuda"
@@ -416,10 +449,11 @@ def interleaved_samples(
                     start.record()
                 t0 = clock()
                 runners[name]()
+                if cuda:
+                    end.record()  # inside the host clock (the docstring says why)
                 t1 = clock()
                 host[name][r] = t1 - t0
                 if cuda:
-                    end.record()
                     end.synchronize()
                     dev[name][r] = start.elapsed_time(end) * 1e-3
                     starved[name] += (t1 - t0) > lead_s[name]
@@ -687,7 +721,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the record set only (same as --sets record), and a short table of its step costs last",
     )
-    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, from {PATHS}")
+    parser.add_argument(
+        "--paths", default=",".join(PATHS), help=f"comma-separated, from {PATHS + EXTRA_PATHS}"
+    )
     parser.add_argument(
         "--reps",
         type=int,
@@ -722,8 +758,8 @@ def main(argv: list[str] | None = None) -> int:
         if s not in SETS:
             parser.error(f"--sets: unknown set {s!r}; choose from {SETS}")
     for p in paths:
-        if p not in PATHS:
-            parser.error(f"--paths: unknown path {p!r}; choose from {PATHS}")
+        if p not in PATHS + EXTRA_PATHS:
+            parser.error(f"--paths: unknown path {p!r}; choose from {PATHS + EXTRA_PATHS}")
     if args.reps is not None and args.reps < 2:
         parser.error(f"--reps {args.reps}: a paired median and its interval need at least 2 rounds")
 
@@ -782,7 +818,9 @@ def main(argv: list[str] | None = None) -> int:
                     f'reaches zero is "{BELOW_NOISE}", and so is any ratio made from it.',
                     "total_*: median of a whole repetition (backward + step), *_iqr its interquartile range; "
                     "device times from CUDA events behind a spin kernel longer than the enqueue; starved: "
-                    "repetitions whose enqueue outlasted it.",
+                    "repetitions whose enqueue outlasted it. On CUDA the event that closes a repetition is "
+                    "inside its host time, the baseline's too: the first CUDA call after the backward pays "
+                    "for the backward's hand-over, and in a training step some call always follows it.",
                     "launches, kernels: per Adam step from the profiler, the baseline's subtracted (what a "
                     "path adds to the backward counts: the device path's in-place accumulation).",
                     "At world size 1 the collectives are no-ops; torchrun with several processes includes "

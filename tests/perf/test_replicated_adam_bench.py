@@ -298,3 +298,32 @@ def test_the_backward_hands_over_fresh_gradients_that_autograd_keeps_without_a_c
     copies = [e.name for e in prof.events() if e.name in ("aten::clone", "aten::copy_", "aten::add_")]
     assert copies == []  # as from a model's backward: .grad is the multiply's own output
     assert all(bench.same_bits(p.grad, g) for p, g in zip(params, grads.sets[0]))  # 1 * g is g
+
+
+def test_on_cuda_the_event_that_closes_a_repetition_is_inside_its_host_time(fake_cuda, monkeypatch):
+    # The first CUDA call after a backward pays for the hand-over, wherever it lands: with the closing event
+    # timed, the baseline pays it too (a runner without CUDA calls of its own would otherwise look cheap).
+    clock = fake_cuda
+    event_cost = 7e-6
+    recorded = bench.torch.cuda.Event.record
+
+    def costly_record(self):
+        clock.now += event_cost
+        recorded(self)
+
+    monkeypatch.setattr(bench.torch.cuda.Event, "record", costly_record)
+    runners = {"backward_only": clock.takes(100e-6)}
+    cuda = bench.torch.device("cuda")
+    samples = bench.interleaved_samples(runners, 4, cuda, lead_s={"backward_only": 1e-3}, clock=clock)
+    assert samples["backward_only"].host == pytest.approx(np.full(4, 100e-6 + event_cost))
+
+
+def test_device_split_is_selectable_gathers_in_launch_reduce_and_ends_bitwise_equal(tmp_path):
+    params, cfgs, states = bench.build(bench.RECORD, CPU)
+    split = bench.PATH_CLASSES["device_split"](params, cfgs, states, CPU, 65536)
+    assert split.opt._device_mode.gather_in_update is False  # one process would gather in update()
+    out = tmp_path / "split.json"
+    argv = ["--device", "cpu", "--record", "--paths", "per_param,device_split", "--reps", "2"]
+    assert bench.main([*argv, "--warmup", "1", "--profile-steps", "1", "--out", str(out)]) == 0
+    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["device_split"]["bitwise"] is True
