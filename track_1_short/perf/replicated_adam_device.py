@@ -244,7 +244,7 @@ class DeviceStep:
 
     def _upload_and_gather(self) -> None:
         if self.use_graphs:
-            # Inside the gather graph: one host-to-device copy node from the one pinned row.
+            # Inside the graph that gathers: one host-to-device copy node from the one pinned row.
             self.addresses.copy_(self._pinned_addresses, non_blocking=True)
         self._gather()
 
