@@ -15,8 +15,9 @@ nanoseconds each, charged to the piece). Pieces:
   held gradients' versions), ``fence_wait`` (the check, without a CUDA call, that the last graph has copied
   the pinned rows), ``write_inputs`` (step counters and the per-step rows), ``update_replay`` (one process:
   gather, table and Adam), and with several processes ``gather_replay`` in launch_reduce;
-- fused: ``foreach_copy`` (one per dtype), ``ring_wait`` (the upload ring's slot), ``table_write``, then
-  on CUDA ``graph_replay`` (the slot's upload and both launches) and ``event_record``, without CUDA graphs
+- fused: ``foreach_copy`` (one per dtype), ``ring_wait`` (the upload ring's slot: with CUDA graphs a check
+  of the fence they signal), ``table_write``, then on CUDA ``graph_replay`` (the slot's upload and both
+  launches) and ``ring_mark`` (the slot's fence ticket), without CUDA graphs
   ``upload`` (the copy and its event) and ``launch_0``/``launch_1`` (one Triton launch per dtype);
 - ``rest``: the call's time minus its pieces in the same repetition (Python between them, the no-op reduces
   of one process, the row writes into pinned memory).
@@ -103,7 +104,7 @@ def instrument_fused(opt, clock: Clock) -> None:
     opt._ring.host_buffer = clock.wrap("ring_wait", opt._ring.host_buffer)
     if opt._graphs is not None:
         opt._graphs.run = clock.wrap("graph_replay", opt._graphs.run)
-        opt._ring.mark_uploaded = clock.wrap("event_record", opt._ring.mark_uploaded)
+        opt._ring.mark_uploaded = clock.wrap("ring_mark", opt._ring.mark_uploaded)
     else:
         opt._ring.upload = clock.wrap("upload", opt._ring.upload)
         opt._launches = [clock.wrap(f"launch_{k}", launch) for k, launch in enumerate(opt._launches)]

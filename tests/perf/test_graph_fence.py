@@ -7,7 +7,7 @@ signal inside a replayed CUDA graph behind a spin kernel.
 import pytest
 import torch
 
-from track_1_short.perf.graph_fence import GraphFence
+from track_1_short.perf.graph_fence import FenceTicket, GraphFence
 
 
 def test_signals_counted_and_run_let_wait_return_and_arrived_tracks_them():
@@ -60,3 +60,24 @@ def test_on_cuda_wait_returns_only_after_the_graph_behind_a_spin_kernel_has_run(
         fence.count()
         fence.wait()
         assert fence.arrived == k
+
+
+def test_a_ticket_waits_for_the_signals_enqueued_when_it_was_recorded_and_no_later_ones():
+    now = [0.0]
+
+    def clock():
+        now[0] += 1.0
+        return now[0]
+
+    fence = GraphFence(torch.device("cpu"), timeout_s=2.0, clock=clock)
+    ticket = FenceTicket(fence)
+    ticket.synchronize()  # recorded at no signal: nothing to wait for
+    fence.signal()
+    fence.count()
+    ticket.record()
+    assert ticket.ticket == 1
+    fence.count()  # a later signal that has not run: the ticket does not wait for it
+    ticket.synchronize()
+    ticket.record()
+    with pytest.raises(RuntimeError, match="run 1 of the 2 fence signals"):
+        ticket.synchronize()

@@ -18,6 +18,7 @@ from tests.perf.replicated_adam_cases import (
     unpack,
     wrong_inside_the_capture,
 )
+from track_1_short.perf.graph_fence import FenceTicket
 from track_1_short.perf.replicated_adam import (
     SCALAR_TABLE_SLOTS,
     CurrentStream,
@@ -228,14 +229,15 @@ def test_a_slot_copied_by_someone_else_is_marked_uploaded_and_waited_on_before_i
 
 
 @pytest.mark.gpu
-def test_cuda_table_goes_through_pinned_slots_each_with_an_event():
+@pytest.mark.parametrize("graphs", [True, False], ids=["fence_tickets", "events"])
+def test_cuda_table_goes_through_pinned_slots_each_waited_on_before_its_next_write(graphs):
+    # With CUDA graphs a slot's mark is a ticket on the fence its graph signals; without, a CUDA event.
     params, cfgs, states = make_inventory(seed=7, device="cuda")
-    opt = ReplicatedAdam(params, cfgs, states, "cuda")
+    opt = ReplicatedAdam(params, cfgs, states, "cuda", use_cuda_graphs=graphs)
     ring = opt._ring
     assert len(ring._slots) == SCALAR_TABLE_SLOTS and all(s.is_pinned() for s in ring._slots)
-    assert len(ring._events) == SCALAR_TABLE_SLOTS and all(
-        isinstance(e, torch.cuda.Event) for e in ring._events
-    )
+    kind = FenceTicket if graphs else torch.cuda.Event
+    assert len(ring._events) == SCALAR_TABLE_SLOTS and all(isinstance(e, kind) for e in ring._events)
     gen = torch.Generator().manual_seed(8)
     for step in range(SCALAR_TABLE_SLOTS + 3):
         assert ring.slot_index == step % SCALAR_TABLE_SLOTS
@@ -244,7 +246,12 @@ def test_cuda_table_goes_through_pinned_slots_each_with_an_event():
         opt.update()
         torch.cuda.synchronize()
         slot = ring._slots[step % SCALAR_TABLE_SLOTS]
-        assert torch.equal(opt.table.cpu(), slot) and ring._events[step % SCALAR_TABLE_SLOTS].query()
+        assert torch.equal(opt.table.cpu(), slot)
+        mark = ring._events[step % SCALAR_TABLE_SLOTS]
+        if graphs:  # the ticket covers this step's signal, and the signal has landed
+            assert mark.ticket == opt._graphs.fence.enqueued == opt._graphs.fence.arrived
+        else:
+            assert mark.query()
 
 
 def test_a_flat_snapshot_loads_back_bit_for_bit_and_names_what_differs():
@@ -331,6 +338,9 @@ def test_a_fused_update_graph_that_disagrees_is_dropped_with_a_warning_and_the_s
             opt.zero_grad()
     torch.cuda.synchronize()
     assert not graphs.enabled and all(g is None for g in graphs.graphs)
+    # Refused, the eager launches still signal the fence the ring's tickets wait on: one per step, plus the
+    # refused graph's check replay.
+    assert graphs.fence.enqueued == 4 + 1 == graphs.fence.arrived
     _assert_same_state(graphed.params, graphed.param_states, eager.params, eager.param_states)
 
 

@@ -69,7 +69,11 @@ class GraphFence:
 
     def wait(self) -> None:
         """Return once every signal enqueued has run; raise RuntimeError after ``timeout_s`` without it."""
-        seen, enqueued = self._seen, self.enqueued
+        self.wait_for(self.enqueued)
+
+    def wait_for(self, enqueued: int) -> None:
+        """Return once the first ``enqueued`` signals have run; raise RuntimeError after ``timeout_s``."""
+        seen = self._seen
         if seen[0] >= enqueued:
             return
         deadline = self._clock() + self.timeout_s
@@ -80,3 +84,22 @@ class GraphFence:
                     f"{self.timeout_s:g} s: it has stopped, or a signal was counted that was never enqueued"
                 )
             time.sleep(0)  # give the GIL to other threads while the GPU catches up
+
+
+class FenceTicket:
+    """An event-shaped mark on a fence, for UploadRing's ``event_factory``.
+
+    ``record()`` notes how many signals have been enqueued, those of the work that reads the slot included;
+    ``synchronize()`` waits until they have run. No CUDA call either way: the ring's wait and record become a
+    comparison and an assignment, where the work that reads the slot (a replayed graph) signals the fence.
+    """
+
+    def __init__(self, fence: GraphFence):
+        self.fence = fence
+        self.ticket = 0
+
+    def record(self) -> None:
+        self.ticket = self.fence.enqueued
+
+    def synchronize(self) -> None:
+        self.fence.wait_for(self.ticket)

@@ -24,7 +24,8 @@ Invariants (each tested in tests/perf/test_replicated_adam.py):
 2. The gradient views tile each flat gradient buffer exactly, in parameter order.
 3. Segment ids are parameter indices, grouped by dtype in first-seen order: identical on every rank.
 4. On CUDA the table reaches the device through a ring of pinned slots, a slot rewritten only after its
-   previous upload retired (one event per slot); on the CPU through a plain copy.
+   previous upload retired (with CUDA graphs a ticket on the fence the graphs signal, without them one
+   event per slot); on the CPU through a plain copy.
 5. A parameter with no gradient this step is skipped whole: its step, moments and value stay as they were.
    (Every rank must see the same parameters without a gradient, as every rank runs the same model.)
 6. The hot-path table is adam_scalar_table's bit for bit, across ring slots and mid-run changes of betas/eps.
@@ -53,6 +54,7 @@ import torch
 from track_1_short import distributed
 from track_1_short.optim.adam import AdamParamConfig, adam_step_scalars
 from track_1_short.perf.graph_check import same_bits
+from track_1_short.perf.graph_fence import FenceTicket, GraphFence
 from track_1_short.perf.kernels import replicated_adam as kernels
 from track_1_short.perf.kernels.replicated_adam import SCALAR_COLUMNS
 
@@ -534,7 +536,11 @@ class ReplicatedAdam:
             DeviceStep.validate(params, self.param_cfgs)
         self.groups = flatten_replicated(params, param_states, device)
         self.table = torch.zeros((len(params), len(SCALAR_COLUMNS)), dtype=torch.float32, device=device)
-        self._ring = UploadRing(self.table) if impl == "fused" else None
+        # With CUDA graphs the fused update's graphs signal a fence, and the ring's slots wait on it (no CUDA
+        # call); otherwise each upload records a CUDA event.
+        fence = GraphFence(device) if impl == "fused" and use_cuda_graphs and device.type == "cuda" else None
+        tickets = None if fence is None else (lambda: FenceTicket(fence))
+        self._ring = UploadRing(self.table, event_factory=tickets) if impl == "fused" else None
         self._host_table = (
             HostScalarTable(self.param_cfgs, self.param_states, SCALAR_TABLE_SLOTS)
             if impl == "fused"
@@ -559,10 +565,10 @@ class ReplicatedAdam:
         self._graphs = None
         if impl == "device":
             self._device_mode = DeviceStep(self, use_cuda_graphs=use_cuda_graphs)
-        elif use_cuda_graphs and device.type == "cuda":
+        elif fence is not None:
             from track_1_short.perf.replicated_adam_graphs import SlotGraphs
 
-            self._graphs = SlotGraphs(self)
+            self._graphs = SlotGraphs(self, fence)
 
     # ---- the step ------------------------------------------------------------------------------------------
 
@@ -603,8 +609,10 @@ class ReplicatedAdam:
             handle.wait()
         slot = self._ring.slot_index
         self._host_table.write(self._ring.host_buffer(), slot, active)
-        if self._graphs is not None and self._graphs.enabled:
-            self._graphs.run(slot)  # the slot's upload and every launch, one replay once captured
+        if self._graphs is not None:
+            # The slot's upload and every launch: one replay once captured, eager once refused; both signal
+            # the fence that the slot's ticket waits on.
+            self._graphs.run(slot)
             self._ring.mark_uploaded()
             return
         self._ring.upload()

@@ -17,7 +17,9 @@ active = 0), where the eager path skips the launch.
 Invariants (tests/perf/test_replicated_adam.py, GPU): the graphs give the eager path's bits over steps
 that cycle through every slot, with missing gradients, a dtype with none and a change of betas; a graph is
 trusted only after one replay matched the eager step bit for bit (a mismatch warns and the path stays eager,
-the step's eager result kept); a slot is rewritten only after the event recorded behind its graph.
+the step's eager result kept); a slot is rewritten only once the fence signal at the end of its last
+graph (or eager launch) has run (perf/graph_fence.py: a load from pinned memory where an event's record and
+wait were two CUDA calls).
 
 Provenance: the fused path and its ring are perf/replicated_adam.py's; replaying a fixed-address step as a
 CUDA graph follows PyTorch's capturable optimizers and the device mode (perf/replicated_adam_device.py).
@@ -29,13 +31,18 @@ import warnings
 
 import torch
 
+from track_1_short.perf.graph_fence import GraphFence
+
 
 class SlotGraphs:
     """One CUDA graph per ring slot of a fused ReplicatedAdam: ``run(slot)`` uploads that slot's table and
-    launches every group's kernel, as a replay once the slot's graph is captured and checked."""
+    launches every group's kernel, as a replay once the slot's graph is captured and checked, eagerly once
+    the graphs were refused. Either way the work ends with a signal of ``fence``, which the ring's slots
+    wait on (FenceTicket) before the host rewrites them."""
 
-    def __init__(self, owner):
+    def __init__(self, owner, fence: GraphFence):
         self.owner = owner
+        self.fence = fence
         self.graphs: list[torch.cuda.CUDAGraph | None] = [None] * owner._ring.slots
         self.enabled = True
 
@@ -44,15 +51,22 @@ class SlotGraphs:
         owner.table.copy_(owner._ring.slot_tensor(slot), non_blocking=True)
         for launch in owner._launches:
             launch()
+        self.fence.signal()  # the slot may be rewritten once this has run
 
     def run(self, slot: int) -> None:
         graph = self.graphs[slot]
         if graph is not None:
             graph.replay()
+            self.fence.count()
+            return
+        if not self.enabled:
+            self._eager(slot)
+            self.fence.count()
             return
         owner = self.owner
         before = owner._flat_snapshot()
         self._eager(slot)
+        self.fence.count()
         # Triton compiles and binds on a kernel's first launch, outside any capture: only now may it be
         # captured (the eager launch above was that first launch for this slot's step at the latest).
         eager = owner._flat_snapshot()
@@ -62,6 +76,7 @@ class SlotGraphs:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._eager(slot)
         graph.replay()
+        self.fence.count()
         differing = owner._flat_snapshot_differences(eager, owner._flat_snapshot())
         if differing:
             owner._load_flat_snapshot(eager)
