@@ -113,7 +113,7 @@ class OptimConfig:
     built on the device, one Adam launch, CUDA graphs) or "reference" (per-parameter all_reduce and Adam
     step). All three give the same parameters. "fused" is the default: on the one-GPU preset "device" ends
     bitwise equal at the same speed (perf/RESULTS.md, record_1gpu_det_*.json), since the step is GPU-bound
-    and waits for none of the host work that "device" removes (190 against 230 host us per Adam step in
+    and waits for none of the host work that "device" removes (79 against 96 host us per Adam step in
     perf/bench_replicated_adam.py); so the path with fewer moving parts stays the default."""
     replicated_graphs: bool = True
     """On CUDA, replay the replicated Adam step's launches as CUDA graphs: "fused" one graph per step (the
