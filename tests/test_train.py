@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.distributed_harness import run_ranks
-from track_1_short import checkpoint, run_log, trainer
+from track_1_short import checkpoint, compile_watch, run_log, trainer
 from track_1_short.perf import cpu_bf16_matmul
 from track_1_short.schedule import StageConfig
 
@@ -314,6 +314,35 @@ def _first_step_grads(runs_root: str, *overrides: str) -> dict[str, torch.Tensor
             t.loader.close()
             t.log.close()
     return seen
+
+
+def test_the_graph_counts_are_this_runs_not_the_processes(tmp_path, monkeypatch):
+    # Dynamo's counter is the process's: a run started after others (a sweep, a test session) must not report
+    # their graphs as its own, nor call them recompiles.
+    from track_1_short.config import to_object
+
+    made = [40]  # graphs an earlier run in this process made
+    monkeypatch.setattr(compile_watch, "graphs_made", lambda: made[0])
+    cfg = short_cfg(str(tmp_path), MICRO, "warmup=true")
+    tcfg, cpu = to_object(cfg), torch.device("cpu")
+    with cpu_bf16_matmul.route(trainer.bf16_matmul_route(tcfg, cpu)[0]):
+        t = trainer.Trainer(tcfg, OmegaConf.to_container(cfg, resolve=True), cpu)
+        try:
+            t.compiled = True  # the counts are reported for compiled runs (CUDA); the CPU steps run eagerly
+            step = t.train_step
+
+            def compiling_step(s):  # each warmup step makes one graph
+                made[0] += 1
+                return step(s)
+
+            t.train_step = compiling_step
+            steps = t.warmup()
+            assert steps and t.graphs_after_warmup == len(steps)
+            made[0] += 2  # two graphs in the timed loop
+            assert t._compile_stats() == {"graphs": len(steps) + 2, "timed_loop_graphs": 2}
+        finally:
+            t.loader.close()
+            t.log.close()
 
 
 def test_loss_sum_ranks_backprops_upstreams_summed_loss_of_one_of_n_ranks(tmp_path):

@@ -13,3 +13,16 @@ def graphs_made() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+class RunGraphs:
+    """Graphs Dynamo has made since this object was made: one run's count.
+
+    Dynamo's counter belongs to the process, and a process may run several trainers (a sweep, a test
+    session): counted from the process's start, a run would report the graphs of the runs before it."""
+
+    def __init__(self):
+        self.start = graphs_made()
+
+    def __call__(self) -> int:
+        return graphs_made() - self.start

@@ -139,6 +139,7 @@ class Trainer:
         from track_1_short.model.gpt import GPT
         from track_1_short.optim.anvil import AnvilAndAdam
 
+        self.graphs_made = compile_watch.RunGraphs()  # this run's graphs, whatever ran in the process before
         self.cfg = cfg
         self.device = device
         self.rank, self.world = distributed.rank(), distributed.world_size()
@@ -371,7 +372,7 @@ class Trainer:
             _sync(self.device)
             self.phases.say(
                 f"  warmup step {k + 1}/{len(steps)} (schedule step {s}): "
-                f"{time.perf_counter() - t_step:.1f} s, graphs so far {compile_watch.graphs_made()}"
+                f"{time.perf_counter() - t_step:.1f} s, graphs so far {self.graphs_made()}"
             )
         # One validation forward, so that its graph (no grad, validation windows) is made here too.
         t_val = time.perf_counter()
@@ -381,7 +382,7 @@ class Trainer:
         self._restore_(initial)
         self.tokens_seen = tokens_seen
         self.warmed_steps = steps
-        self.graphs_after_warmup = compile_watch.graphs_made()
+        self.graphs_after_warmup = self.graphs_made()
         self.phases.finished(
             "warmup", time.perf_counter() - t, steps=len(steps), graphs=self.graphs_after_warmup
         )
@@ -546,7 +547,7 @@ class Trainer:
         """Graphs made in all, and after the warmup (each one a recompile the warmup missed)."""
         if not self.compiled or self.graphs_after_warmup is None:
             return {}
-        made = compile_watch.graphs_made()
+        made = self.graphs_made()
         return {"graphs": made, "timed_loop_graphs": made - self.graphs_after_warmup}
 
     def _memory(self) -> dict:
