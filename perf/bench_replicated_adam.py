@@ -17,7 +17,9 @@ elements, bf16 and fp32, three beta pairs). Paths, each from the same initial va
 - ``torch_adam``: ``torch.optim.Adam`` (fused=True on CUDA), one group per tensor, after per-parameter
   all_reduces; its arithmetic differs (no cautious decay), so it is timed, not compared;
 - ``device_split`` (only when named in ``--paths``): ``device`` laid out as with several processes, the
-  gather replayed in launch_reduce() and the update in update(), where one process has one replay per step.
+  gather replayed in launch_reduce() and the update in update(), where one process has one replay per step;
+- ``device_python`` (only when named in ``--paths``): ``device`` with the Python reference of its per-step
+  host work (``host="python"``, perf/host_step.py) where ``device`` runs the C++ one.
 
 Method. One repetition of a path is its whole training-step share: one backward that delivers precomputed
 gradients (a new scale each step) as fresh tensors, the way a model's backward does (whatever a path hooks
@@ -90,8 +92,9 @@ RECORD = [
 ]
 ADAM_LR, ADAM_EPS, ADAM_WD = 0.008, 1e-10, 0.005  # the record's Adam settings
 PATHS = ("per_param", "fused", "device", "torch_adam")
-# Selectable with --paths, not run by default: the device path laid out as with several processes.
-EXTRA_PATHS = ("device_split",)
+# Selectable with --paths, not run by default: the device path laid out as with several processes, and with
+# its host step in Python.
+EXTRA_PATHS = ("device_split", "device_python")
 SETS = ("record", "synthetic")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
 # aten ops that only allocate or re-describe memory: no kernel on a GPU, not counted as launches on the CPU.
@@ -200,11 +203,12 @@ class PerParam:
 
 class Fused:
     impl = "fused"
+    host = "native"  # impl="device" only: who does its per-step host work (perf/host_step.py)
 
     def __init__(self, params, cfgs, states, device, block):
         from track_1_short.perf.replicated_adam import ReplicatedAdam
 
-        self.opt = ReplicatedAdam(params, cfgs, states, device, impl=self.impl, block=block)
+        self.opt = ReplicatedAdam(params, cfgs, states, device, impl=self.impl, block=block, host=self.host)
 
     def step(self) -> None:
         self.opt.launch_reduce()
@@ -232,6 +236,12 @@ class DeviceSplit(Device):
     def __init__(self, params, cfgs, states, device, block):
         super().__init__(params, cfgs, states, device, block)
         self.opt._device_mode.gather_in_update = False
+
+
+class DevicePython(Device):
+    """impl="device" with the Python reference of its per-step host work: what the C++ host step saves."""
+
+    host = "python"
 
 
 class TorchAdam:
@@ -281,6 +291,7 @@ PATH_CLASSES = {
     "device": Device,
     "torch_adam": TorchAdam,
     "device_split": DeviceSplit,
+    "device_python": DevicePython,
 }
 
 

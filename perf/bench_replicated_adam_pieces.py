@@ -11,7 +11,8 @@ garbage collector off. The public calls (launch_reduce, update, zero_grad) run u
 them are replaced, on the instance only, by wrappers that read the clock around them (a few hundred
 nanoseconds each, charged to the piece). Pieces:
 
-- device: ``read_gradients`` (the 13 .grad reads and their addresses), ``check_held`` (one process: the
+- device (its host step in C++) and device_python (in Python, perf/host_step.py): ``read_gradients`` (the
+  13 .grad reads and their addresses), ``check_held`` (one process: the
   held gradients' versions), ``fence_wait`` (the check, without a CUDA call, that the last graph has copied
   the pinned rows), ``write_inputs`` (step counters and the per-step rows), ``update_replay`` (one process:
   gather, table and Adam), and with several processes ``gather_replay`` in launch_reduce;
@@ -46,6 +47,7 @@ import bench_replicated_adam as bench  # noqa: E402 - the sibling script, import
 from track_1_short.perf.graph_check import same_bits  # noqa: E402
 from track_1_short.perf.replicated_adam import SCALAR_TABLE_SLOTS  # noqa: E402
 
+PATHS = ("fused", "device", "device_python")
 SPIN_S = 0.003  # the spin kernel ahead of each repetition: longer than any path's enqueue (~1 ms at most)
 
 
@@ -118,7 +120,7 @@ def measure_path(path_name: str, device, reps: int, warmup: int, block: int, spi
         runner()  # captures the device path's graphs
     bench.sync(device)
     clock = Clock()
-    (instrument_device if path_name == "device" else instrument_fused)(path.opt, clock)
+    (instrument_fused if path_name == "fused" else instrument_device)(path.opt, clock)
     foreach_copy = torch._foreach_copy_
     if path_name == "fused":
         torch._foreach_copy_ = clock.wrap("foreach_copy", foreach_copy)  # looked up by name at each call
@@ -216,24 +218,24 @@ def main(argv: list[str] | None = None) -> int:
     spin = bench.SpinLead(device) if cuda else None
 
     rows, finals = [], {}
-    for path_name in ("fused", "device"):
+    for path_name in PATHS:
         clock, params = measure_path(path_name, device, reps, args.warmup, block, spin)
         finals[path_name] = params
         order = {"(call)": 0, "rest": 2}
         for (call, piece), samples in sorted(clock.samples.items(), key=lambda kv: order.get(kv[0][1], 1)):
             rows.append(_row(path_name, call, piece, samples))
     calls = ["launch_reduce", "update", "zero_grad"]
-    rows.sort(key=lambda r: (r["path"] != "fused", calls.index(r["call"])))
+    rows.sort(key=lambda r: (PATHS.index(r["path"]), calls.index(r["call"])))
     if cuda:
         rows += [_row("cuda", "-", name, s) for name, s in cuda_reference(device, reps, spin).items()]
-    bitwise = all(same_bits(a, b) for a, b in zip(finals["fused"], finals["device"]))
+    bitwise = all(same_bits(a, b) for name in PATHS[1:] for a, b in zip(finals["fused"], finals[name]))
 
     for r in rows:
         print(
-            f"{r['path']:<7}{r['call']:<15}{r['piece']:<52}{r['host_us']:9.2f}  "
+            f"{r['path']:<14}{r['call']:<15}{r['piece']:<52}{r['host_us']:9.2f}  "
             f"[{r['host_us_p10']:8.2f}, {r['host_us_p90']:8.2f}]"
         )
-    print(f"bitwise (fused and device, wrapped): {bitwise}")
+    print(f"bitwise ({', '.join(PATHS)}, wrapped): {bitwise}")
     if args.out:
         from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
 

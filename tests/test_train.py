@@ -362,6 +362,7 @@ def test_loss_sum_ranks_backprops_upstreams_summed_loss_of_one_of_n_ranks(tmp_pa
         (("seed=abc",), "seed"),  # Hydra's own composition error
         (("fault_injection.nan_grad_value=bad",), "nan_grad_value"),  # a group's __post_init__
         (("cpu_bf16_matmul=bf16",), "cpu_bf16_matmul='bf16' must be one of ['auto', 'native', 'fp32']"),
+        (("optim.replicated_host=rust",), "optim.replicated_host='rust' must be one of ['native', 'python']"),
     ],
 )
 def test_bad_flags_exit_2_with_one_message_and_no_traceback(args, match, tmp_path):

@@ -327,3 +327,18 @@ def test_device_split_is_selectable_gathers_in_launch_reduce_and_ends_bitwise_eq
     assert bench.main([*argv, "--warmup", "1", "--profile-steps", "1", "--out", str(out)]) == 0
     rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["device_split"]["bitwise"] is True
+
+
+def test_device_python_is_selectable_runs_the_python_host_step_and_ends_bitwise_equal(tmp_path):
+    from track_1_short.perf.host_step import PythonHostStep
+
+    params, cfgs, states = bench.build(bench.RECORD, CPU)
+    path = bench.PATH_CLASSES["device_python"](params, cfgs, states, CPU, 65536)
+    assert isinstance(path.opt._device_mode.host, PythonHostStep)
+    native = bench.PATH_CLASSES["device"](*bench.build(bench.RECORD, CPU), CPU, 65536)
+    assert not isinstance(native.opt._device_mode.host, PythonHostStep)
+    out = tmp_path / "python_host.json"
+    argv = ["--device", "cpu", "--record", "--paths", "per_param,device_python", "--reps", "2"]
+    assert bench.main([*argv, "--warmup", "1", "--profile-steps", "1", "--out", str(out)]) == 0
+    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["device_python"]["bitwise"] is True

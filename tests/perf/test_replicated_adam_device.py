@@ -21,6 +21,7 @@ from tests.perf.replicated_adam_cases import (
 from track_1_short import distributed
 from track_1_short.optim.adam import first_moment_correction, second_moment_correction
 from track_1_short.perf import replicated_adam_device as dev
+from track_1_short.perf.host_step import HOSTS
 from track_1_short.perf.kernels import replicated_adam as kernels
 from track_1_short.perf.replicated_adam import (
     ReplicatedAdam,
@@ -34,7 +35,12 @@ class Trainer:
 
     def __init__(self, params, cfgs, states, impl):
         self.params, self.cfgs, self.states = params, cfgs, states
-        self.opt = None if impl == "reference" else ReplicatedAdam(params, cfgs, states, "cpu", impl=impl)
+        # "device_python": impl="device" with the Python reference of its host step (perf/host_step.py).
+        host = "python" if impl == "device_python" else "native"
+        impl = "device" if impl == "device_python" else impl
+        self.opt = (
+            None if impl == "reference" else ReplicatedAdam(params, cfgs, states, "cpu", impl=impl, host=host)
+        )
 
     def backward(self, weights, missing=frozenset()):
         loss = sum(
@@ -86,7 +92,7 @@ def _missing(step, n):
 
 
 def test_device_mode_equals_the_reference_and_fused_paths_with_accumulation_and_missing_gradients():
-    trainers = _trainers(seed=0)
+    trainers = _trainers(seed=0, impls=("reference", "fused", "device", "device_python"))
     gen = torch.Generator().manual_seed(1)
     for step in range(24):
         weights = _weights(trainers[0].params, gen)
@@ -95,8 +101,9 @@ def test_device_mode_equals_the_reference_and_fused_paths_with_accumulation_and_
             for cfg in t.cfgs:
                 cfg.lr = lr
             t.train_step(weights, _missing(step, len(weights)), do_adam=step % 2 == 1)
-    reference, fused, device = trainers
+    reference, fused, device, device_python = trainers
     _assert_same(device, reference)
+    _assert_same(device_python, reference)
     _assert_same(fused, reference)
     steps = [s["step"] for s in device.states]
     assert steps[4] == 11 and max(steps) == 12  # parameter 4 skipped the window without gradients
@@ -207,7 +214,8 @@ def test_two_gloo_ranks_in_device_mode_agree_and_equal_one_process_fed_the_avera
 # ---- the device table -----------------------------------------------------------------------------------
 
 
-def test_device_table_equals_the_host_table_bitwise():
+@pytest.mark.parametrize("host", HOSTS)
+def test_device_table_equals_the_host_table_bitwise(host):
     n = 9
     betas = [[0.9, 0.99], [0.0, 0.9], [0.5, 0.95], [0.9, 0.999], [0.75, 0.9999], [0.9, 0.99], [0.99, 0.0]]
     cfgs = [
@@ -225,11 +233,13 @@ def test_device_table_equals_the_host_table_bitwise():
     states = [{"step": s, "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)} for s in range(n)]
     states[2]["step"] = 5000  # past the saturation of 0.5 and 0.95: the tables' last entry
     states[3]["step"] = 40000  # past 0.999's
-    opt = ReplicatedAdam(params, cfgs, states, "cpu", impl="device")
+    opt = ReplicatedAdam(params, cfgs, states, "cpu", impl="device", host=host)
     step = opt._device_mode
     active = [i not in (1, 6) for i in range(n)]
+    for p, is_active in zip(params, active):
+        p.grad = torch.ones(3) if is_active else None
     shadow = [{"step": s["step"]} for s in states]
-    step.arrived = list(active)
+    step._read_gradients()
     step._write_inputs()
     kernels.device_scalar_table_(opt.table, step.inputs, step.corrections, step.correction_index)
     expected = adam_scalar_table(params, cfgs, shadow, active)
@@ -270,7 +280,7 @@ def test_gradients_stay_where_autograd_puts_them_and_the_gather_copies_their_bit
         group.grad.fill_(float("nan"))  # whatever the gather does not write stays NaN
     expected = [p.grad.clone() if p.grad is not None else None for p in trainer.params]
     opt.launch_reduce()
-    assert opt._device_mode.arrived == [i != 3 for i in range(len(trainer.params))]
+    assert opt._device_mode.host.arrived() == [i != 3 for i in range(len(trainer.params))]
     # One process: the gather waits for update(), and the update reads the gathered values, never writes them.
     assert opt._device_mode.gather_in_update
     opt.update()
@@ -344,8 +354,11 @@ def test_gradients_dropped_or_replaced_after_launch_reduce_give_the_fused_bits(g
     _assert_same(device, fused)
 
 
-def test_a_gradient_changed_in_place_after_launch_reduce_is_refused_naming_it_before_anything_is_written():
-    (trainer,) = _trainers(seed=34, impls=("device",))
+@pytest.mark.parametrize("impl", ["device", "device_python"])
+def test_a_gradient_changed_in_place_after_launch_reduce_is_refused_naming_it_before_anything_is_written(
+    impl,
+):
+    (trainer,) = _trainers(seed=34, impls=(impl,))
     opt = trainer.opt
     trainer.backward(_weights(trainer.params, torch.Generator().manual_seed(35)))
     opt.launch_reduce()
@@ -367,8 +380,9 @@ def test_zero_grad_drops_every_gradient():
     assert all(p.grad is None for p in trainer.params)
 
 
-def test_a_non_contiguous_gradient_is_refused_naming_the_parameter_before_anything_is_written():
-    (trainer,) = _trainers(seed=15, impls=("device",))
+@pytest.mark.parametrize("impl", ["device", "device_python"])
+def test_a_non_contiguous_gradient_is_refused_naming_the_parameter_before_anything_is_written(impl):
+    (trainer,) = _trainers(seed=15, impls=(impl,))
     opt = trainer.opt
     trainer.backward(_weights(trainer.params, torch.Generator().manual_seed(16)))
     p = trainer.params[3]  # post_lambdas, [11, 2]
@@ -407,13 +421,13 @@ def test_a_beta_too_close_to_one_for_the_correction_table_is_rejected():
 # ---- CUDA graphs (GPU) ----------------------------------------------------------------------------------
 
 
-def _cuda_pair(seed, gather_in_update=True):
+def _cuda_pair(seed, gather_in_update=True, host="native"):
     """A fused and a device ReplicatedAdam on the same values; ``gather_in_update=False`` makes the device one
     gather in launch_reduce() through its own graph, as several processes do (one process has no reduce to
     capture, so only the gather moves)."""
     params, cfgs, states = make_inventory(seed=seed, wd_boost=100.0, device="cuda")
     fused = ReplicatedAdam(*clone_inventory(params, cfgs, states), "cuda", impl="fused")
-    device = ReplicatedAdam(params, cfgs, states, "cuda", impl="device")
+    device = ReplicatedAdam(params, cfgs, states, "cuda", impl="device", host=host)
     device._device_mode.gather_in_update = gather_in_update
     return fused, device
 
@@ -428,9 +442,10 @@ def _cuda_step(opt, weights, do_adam):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("host", HOSTS)
 @pytest.mark.parametrize("gather_in_update", [True, False], ids=["one_graph", "gather_graph"])
-def test_cuda_graph_mode_equals_the_fused_path_bitwise_over_a_hundred_adam_steps(gather_in_update):
-    fused, device = _cuda_pair(seed=25, gather_in_update=gather_in_update)
+def test_cuda_graph_mode_equals_the_fused_path_bitwise_over_a_hundred_adam_steps(gather_in_update, host):
+    fused, device = _cuda_pair(seed=25, gather_in_update=gather_in_update, host=host)
     gen = torch.Generator().manual_seed(26)
     for step in range(200):
         weights = [w.cuda() for w in _weights(fused.params, gen)]

@@ -15,6 +15,8 @@ EXPECTED = {
     ("fused", "update"): {"ring_wait", "table_write", "upload", "launch_0", "launch_1"},
     ("device", "launch_reduce"): {"read_gradients"},
     ("device", "update"): {"check_held", "write_inputs"},
+    ("device_python", "launch_reduce"): {"read_gradients"},
+    ("device_python", "update"): {"check_held", "write_inputs"},
 }
 
 

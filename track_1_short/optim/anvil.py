@@ -74,6 +74,7 @@ STATE_FORMAT = "anvil_adam/1"
 """Tag of the state_dict layout; load_state_dict refuses any other."""
 
 REPLICATED_IMPLS = ("fused", "device", "reference")
+REPLICATED_HOSTS = ("native", "python")  # perf/host_step.py: who does the device mode's per-step host work
 SCALAR_UPLOADS = ("batched", "per_bank")
 BANK_UPDATES = ("eager", "compiled", "triton")
 CASCADE_GRAMS = GRAMS
@@ -115,6 +116,10 @@ class OptimConfig:
     bitwise equal at the same speed (perf/RESULTS.md, record_1gpu_det_*.json), since the step is GPU-bound
     and waits for none of the host work that "device" removes (79 against 96 host us per Adam step in
     perf/bench_replicated_adam.py); so the path with fewer moving parts stays the default."""
+    replicated_host: str = "native"
+    """With replicated_impl="device", who does the per-step host work (read the gradients' addresses and the
+    configs, count the steps, write the pinned rows): "native" (C++, perf/host_step.py, built on first use
+    with the machine's compiler and ninja) or "python" (its reference). Both write the same rows."""
     replicated_graphs: bool = True
     """On CUDA, replay the replicated Adam step's launches as CUDA graphs: "fused" one graph per step (the
     table's upload and both dtypes' kernels: perf/replicated_adam_graphs.py), "device" its gather, reduce
@@ -212,6 +217,10 @@ def validate_optim_config(cfg) -> None:
         raise ValueError(f"optim.scalar_upload={cfg.scalar_upload!r} must be one of {list(SCALAR_UPLOADS)}.")
     if cfg.bank_update not in BANK_UPDATES:
         raise ValueError(f"optim.bank_update={cfg.bank_update!r} must be one of {list(BANK_UPDATES)}.")
+    if cfg.replicated_host not in REPLICATED_HOSTS:
+        raise ValueError(
+            f"optim.replicated_host={cfg.replicated_host!r} must be one of {list(REPLICATED_HOSTS)}."
+        )
     if not isinstance(cfg.replicated_graphs, bool):
         raise ValueError(f"optim.replicated_graphs={cfg.replicated_graphs!r} must be true or false.")
     if not isinstance(cfg.bank_graphs, bool):
@@ -359,6 +368,7 @@ class AnvilAndAdam:
                 self.device,
                 impl=cfg.replicated_impl,
                 use_cuda_graphs=cfg.replicated_graphs,
+                host=cfg.replicated_host,
             )
         # value_embeds' table betas and wd_mul, which set_schedule squares / doubles on the long cadence, and
         # the Adam labels whose update waits for a later Adam step (their gradient keeps accumulating).

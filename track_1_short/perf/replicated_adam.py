@@ -507,6 +507,7 @@ class ReplicatedAdam:
         impl: str = "fused",
         block: int = kernels.DEFAULT_BLOCK,
         use_cuda_graphs: bool = True,
+        host: str = "native",
     ):
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -564,7 +565,7 @@ class ReplicatedAdam:
         self._addresses = self._current_addresses()
         self._graphs = None
         if impl == "device":
-            self._device_mode = DeviceStep(self, use_cuda_graphs=use_cuda_graphs)
+            self._device_mode = DeviceStep(self, use_cuda_graphs=use_cuda_graphs, host=host)
         elif fence is not None:
             from track_1_short.perf.replicated_adam_graphs import SlotGraphs
 

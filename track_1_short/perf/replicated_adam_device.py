@@ -5,7 +5,8 @@ perf/replicated_adam.py's host path): per Adam step, the NumPy scalar table, its
 the foreach copy of the gradients into the flat buffers, one all_reduce and one Triton launch per dtype.
 
 Why it is faster: the host writes two small rows of numbers into pinned memory and replays CUDA graphs; with
-one process that is one replay per Adam step and no other CUDA call.
+one process that is one replay per Adam step and no other CUDA call. Reading the gradients and configs and
+writing those rows is the host step of perf/host_step.py (C++ by default, its Python reference selectable).
 - Gradients are gathered on the device. Autograd leaves each .grad where it likes (a fresh tensor every
   step); their 13 data pointers (0 for a parameter without a gradient) go into a pinned int64 row, and the
   gather is a host-to-device copy of that row, then one Triton launch that
@@ -58,17 +59,16 @@ reach the device as address tables.
 from __future__ import annotations
 
 import math
-import operator
 import warnings
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from track_1_short import distributed
 from track_1_short.optim.adam import first_moment_correction, second_moment_correction
 from track_1_short.perf.graph_check import same_bits
 from track_1_short.perf.graph_fence import GraphFence
+from track_1_short.perf.host_step import host_step
 from track_1_short.perf.kernels import replicated_adam as kernels
 from track_1_short.perf.kernels.replicated_adam import STEP_INPUTS
 from track_1_short.perf.replicated_adam import (
@@ -118,7 +118,7 @@ class DeviceStep:
                         f"bias-correction table would exceed {MAX_CORRECTION_STEPS} steps); use impl='fused'"
                     )
 
-    def __init__(self, owner, use_cuda_graphs: bool = True):
+    def __init__(self, owner, use_cuda_graphs: bool = True, host: str = "native"):
         self.owner = owner
         self.params = owner.params
         self.cfgs = owner.param_cfgs
@@ -148,29 +148,24 @@ class DeviceStep:
             # end of the last update graph has run, which follows the last gather in stream order.
             self._pinned_addresses = torch.zeros(n, dtype=torch.int64, pin_memory=True)
             self._pinned_inputs = torch.zeros(self.inputs.shape, dtype=torch.float64, pin_memory=True)
-            self._address_row = self._pinned_addresses.numpy()
-            self._pinned_rows = self._pinned_inputs.numpy()
             self._fence = GraphFence(device)
         else:
             self.address_ring = UploadRing(self.addresses)
             self.ring = UploadRing(self.inputs)
+        # Reads the gradients and configs and writes the rows, per step (perf/host_step.py).
+        self.host = host_step(self.params, self.cfgs, self.states, host)
         self.corrections = torch.zeros(0, dtype=torch.float64, device=device)
         self.correction_index = torch.zeros((4, n), dtype=torch.int32, device=device)
         self._static_key: list[tuple] | None = None
         self._refresh_static()
 
-        self.arrived = [False] * n
         self._reduce_pending = False
         self._handles: list[distributed.Handle] = []
         # With one process there is no reduce to start early, so the gather waits for update() and rides in
-        # its graph: one replay per Adam step. launch_reduce() holds this step's gradients (alive, whoever
-        # drops .grad meanwhile) and their versions (a gradient changed in place in between is refused).
+        # its graph: one replay per Adam step. launch_reduce() has the host step hold this step's gradients
+        # (alive, whoever drops .grad meanwhile) and their versions (a gradient changed in place in between
+        # is refused).
         self.gather_in_update = distributed.world_size() == 1
-        self._held: list[torch.Tensor | None] = []
-        self._versions: list[int] = []
-        self._addresses: list[int] = []
-        # The per-step inputs, read from each parameter's config in one call per parameter.
-        self._read_config = operator.attrgetter("lr", "lr_mul", "weight_decay", "wd_mul", "adam_betas", "eps")
 
         # NCCL can be captured; with one process there is no collective to capture.
         self.reduce_in_graph = self.use_graphs and not self.gather_in_update
@@ -204,6 +199,7 @@ class DeviceStep:
         device = self.owner.device
         self.corrections = torch.tensor(values, dtype=torch.float64, device=device)
         self.correction_index.copy_(torch.tensor(index, dtype=torch.int32))
+        self.host.set_static(keys)
         static = [[b1, 1.0 - b1, b2, 1.0 - b2, eps] for b1, b2, eps in keys]
         self.owner.table[:, :5].copy_(torch.tensor(static, dtype=torch.float64).to(torch.float32))
         self._static_key = keys
@@ -213,34 +209,27 @@ class DeviceStep:
 
     # ---- the step -----------------------------------------------------------------------------------------
 
-    def _read_gradients(self) -> tuple[list[torch.Tensor | None], list[int]]:
-        """This step's gradients and their addresses, 0 where a parameter has none; refuses a gradient the
-        gather cannot read as its parameter's elements in order (autograd's own are contiguous, as the
-        parameters are)."""
-        grads = [p.grad for p in self.params]
-        addresses = []
-        for i, grad in enumerate(grads):
-            if grad is None:
-                addresses.append(0)
-            elif grad.is_contiguous():
-                addresses.append(grad.data_ptr())
-            else:
-                raise ValueError(
-                    f"{describe(self.params, i)}: .grad is not contiguous (strides {grad.stride()}); "
-                    "impl='device' gathers gradients as flat memory: assign p.grad = g.contiguous()"
-                )
-        return grads, addresses
+    def _read_gradients(self) -> None:
+        """Hold this step's gradients and note their addresses (0: none); refuses a gradient the gather cannot
+        read as its parameter's elements in order (autograd's own are contiguous, as the parameters are)."""
+        bad = self.host.read_gradients()
+        if bad >= 0:
+            grad = self.params[bad].grad
+            raise ValueError(
+                f"{describe(self.params, bad)}: .grad is not contiguous (strides {grad.stride()}); "
+                "impl='device' gathers gradients as flat memory: assign p.grad = g.contiguous()"
+            )
 
     def _check_held(self) -> None:
         """Refuse gradients changed in place since launch_reduce() (the deferred gather would read the new
         values, where the fused path copied the old ones), before anything is written."""
-        for i, (grad, version) in enumerate(zip(self._held, self._versions)):
-            if grad is not None and grad._version != version:
-                raise ReplicatedAdamError(
-                    f"{describe(self.params, i)}: .grad was changed in place between launch_reduce() and "
-                    "update(); with one process impl='device' reads the gradients in update(): finish "
-                    "changing them before launch_reduce(), or use impl='fused'"
-                )
+        bad = self.host.changed_in_place()
+        if bad >= 0:
+            raise ReplicatedAdamError(
+                f"{describe(self.params, bad)}: .grad was changed in place between launch_reduce() and "
+                "update(); with one process impl='device' reads the gradients in update(): finish "
+                "changing them before launch_reduce(), or use impl='fused'"
+            )
 
     def _upload_and_gather(self) -> None:
         if self.use_graphs:
@@ -251,15 +240,12 @@ class DeviceStep:
     def launch_reduce(self) -> None:
         if self._reduce_pending:
             raise ReplicatedAdamError("launch_reduce() called twice without update() in between")
-        grads, addresses = self._read_gradients()  # may raise: nothing is written before it returns
-        self.arrived = [a != 0 for a in addresses]
+        self._read_gradients()  # may raise: nothing is written before it returns
         self._reduce_pending = True
         if self.gather_in_update:
             # No CUDA call: update() writes the addresses with the inputs and replays one graph.
-            self._held, self._addresses = grads, addresses
-            self._versions = [0 if g is None else g._version for g in grads]
             return
-        self._write_addresses(addresses)
+        self._write_addresses()
         if not self.use_graphs:
             self._gather()
         elif self.gather_graph is not None:
@@ -275,13 +261,14 @@ class DeviceStep:
         else:
             self._handles = [distributed.all_reduce_avg(group.grad, async_op=True) for group in self.groups]
 
-    def _write_addresses(self, addresses: list[int]) -> None:
+    def _write_addresses(self) -> None:
         """This step's gradient addresses into the row the gather reads (uploaded at once without graphs)."""
         if self.use_graphs:
             self._fence.wait()  # the last graph has copied both pinned rows
-            self._address_row[:] = addresses
+            self.host.write_addresses(self._pinned_addresses)
         else:
-            self.address_ring.host_buffer()[:] = addresses
+            self.address_ring.host_buffer()  # waits for the slot's last upload
+            self.host.write_addresses(self.address_ring.slot_tensor(self.address_ring.slot_index))
             self.address_ring.upload()
 
     def zero_grad(self) -> None:
@@ -296,19 +283,12 @@ class DeviceStep:
         Returns whether a beta or eps changed since the static data was built (read in the same pass).
         """
         if self.use_graphs:
-            rows = self._pinned_rows  # free to rewrite: the fence has seen the last update graph run
-        else:
-            rows = self.ring.host_buffer()
-        values = list(map(self._read_config, self.cfgs))
-        for state, is_active in zip(self.states, self.arrived):
-            if is_active:
-                state["step"] += 1
-        rows[:4] = np.array([v[:4] for v in values], dtype=np.float64).T
-        rows[4] = [state["step"] for state in self.states]
-        rows[5] = self.arrived
-        if not self.use_graphs:
-            self.ring.upload()
-        return [(*v[4], v[5]) for v in values] != self._static_key
+            # Free to rewrite: the fence has seen the last update graph run.
+            return self.host.write_inputs(self._pinned_inputs)
+        self.ring.host_buffer()  # waits for the slot's last upload
+        changed = self.host.write_inputs(self.ring.slot_tensor(self.ring.slot_index))
+        self.ring.upload()
+        return changed
 
     def _launch_step_kernels(self) -> None:
         """What the update graph holds: the gather too when it waits for update() (one process)."""
@@ -331,7 +311,7 @@ class DeviceStep:
             raise ReplicatedAdamError("update() called without launch_reduce(); call launch_reduce() first")
         if self.gather_in_update:
             self._check_held()  # may raise: nothing is written before it returns
-            self._write_addresses(self._addresses)
+            self._write_addresses()
         if self._write_inputs():
             self._refresh_static()
         if self.use_graphs and not self.graphs_trusted:
@@ -345,9 +325,8 @@ class DeviceStep:
             else:
                 self._launch_step_kernels()
         self._handles = []
-        self._held = []
+        self.host.release()
         self._reduce_pending = False
-        self.arrived = [False] * len(self.params)
 
     # ---- CUDA graphs --------------------------------------------------------------------------------------
 

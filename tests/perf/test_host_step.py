@@ -1,0 +1,224 @@
+"""perf/host_step.py: the device mode's C++ host step against its Python reference, on the same inputs."""
+
+import copy
+import gc
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from track_1_short.perf import host_step as hs
+from track_1_short.perf.kernels.replicated_adam import STEP_INPUTS
+
+N = 7
+
+
+@dataclass
+class Cfg:
+    lr: float
+    lr_mul: float
+    weight_decay: float
+    wd_mul: float
+    adam_betas: tuple
+    eps: float
+
+
+def _inventory(seed):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(3,), (4, 5), (2,), (6, 2), (1,), (8,), (3, 3)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    cfgs = [
+        Cfg(
+            0.01 * (i + 1),
+            [1.0, 5.0, 0.25][i % 3],
+            [0.0, 0.005][i % 2],
+            [0.0, 1.0, 150.0][i % 3],
+            (0.9, [0.95, 0.99][i % 2]),
+            1e-10,
+        )
+        for i in range(N)
+    ]
+    states = [{"step": 3 * i} for i in range(N)]
+    return params, cfgs, states
+
+
+def _pair(seed):
+    """The native and the Python host step, each over its own copy of one inventory."""
+    out = []
+    for host in hs.HOSTS:
+        params, cfgs, states = _inventory(seed)
+        out.append((hs.host_step(params, cfgs, states, host), params, cfgs, states))
+    return out
+
+
+def _rows():
+    return torch.full((len(STEP_INPUTS), N), -7.0, dtype=torch.float64)
+
+
+def _set_grads(params, gen, present, strided=frozenset()):
+    for i, p in enumerate(params):
+        if i not in present:
+            p.grad = None
+        elif i in strided:
+            p.grad = torch.randn(tuple(reversed(p.shape)), generator=gen).t() if p.dim() == 2 else None
+        else:
+            p.grad = torch.randn(p.shape, generator=gen)
+
+
+def test_native_and_python_write_the_same_rows_steps_and_answers_over_random_steps():
+    pair = _pair(seed=0)
+    choices = np.random.default_rng(1)
+    seen = {"refused": 0, "in_place": 0, "static": 0}
+    for step in range(40):
+        present = {i for i in range(N) if choices.random() < 0.75}
+        strided = {i for i in present if choices.random() < 0.1}
+        new_beta = choices.random() < 0.15
+        results = []
+        for host, params, cfgs, states in pair:
+            gen = torch.Generator().manual_seed(step)
+            _set_grads(params, gen, present, strided)
+            if new_beta:
+                cfgs[step % N].adam_betas = (0.5 + step / 100, 0.999)
+            for i, cfg in enumerate(cfgs):
+                cfg.lr = 0.008 * (1 - step / 50) * (i + 1)
+            bad = host.read_gradients()
+            if bad >= 0:
+                results.append(("refused", bad, [s["step"] for s in states]))
+                continue
+            addresses = torch.zeros(N, dtype=torch.int64)
+            host.write_addresses(addresses)
+            expected = [0 if p.grad is None else p.grad.data_ptr() for p in params]
+            assert addresses.tolist() == expected == host.addresses()
+            if step % 4 == 1 and present:
+                params[min(present)].grad.add_(1.0)  # in place after the read
+            changed_in_place = host.changed_in_place()
+            rows = _rows()
+            static_changed = host.write_inputs(rows)
+            if static_changed:
+                host.set_static([(c.adam_betas[0], c.adam_betas[1], c.eps) for c in cfgs])
+            results.append(
+                (
+                    host.arrived(),
+                    changed_in_place,
+                    static_changed,
+                    rows.numpy().tobytes(),
+                    [s["step"] for s in states],
+                )
+            )
+            host.release()
+            assert host.arrived() == [False] * N
+        native, python = results
+        assert native == python, f"step {step}"
+        seen["refused"] += native[0] == "refused"
+        seen["in_place"] += native[0] != "refused" and native[1] >= 0
+        seen["static"] += native[0] != "refused" and native[2]
+    assert all(seen.values()), seen  # the seeded run went through every branch
+
+
+@pytest.mark.parametrize("host_name", hs.HOSTS)
+def test_rows_hold_each_config_value_the_step_counter_and_the_arrivals(host_name):
+    params, cfgs, states = _inventory(seed=2)
+    host = hs.host_step(params, cfgs, states, host_name)
+    _set_grads(params, torch.Generator().manual_seed(3), present={0, 2, 3, 6})
+    assert host.read_gradients() == -1
+    rows = _rows()
+    host.set_static([(c.adam_betas[0], c.adam_betas[1], c.eps) for c in cfgs])
+    assert host.write_inputs(rows) is False
+    got = rows.numpy()
+    for i, cfg in enumerate(cfgs):
+        assert got[:4, i].tolist() == [cfg.lr, cfg.lr_mul, cfg.weight_decay, cfg.wd_mul]
+        active = i in {0, 2, 3, 6}
+        assert states[i]["step"] == 3 * i + active
+        assert got[4, i] == states[i]["step"] and got[5, i] == float(active)
+    cfgs[4].eps = 1e-8
+    assert host.write_inputs(_rows()) is True
+
+
+@pytest.mark.parametrize("host_name", hs.HOSTS)
+def test_a_non_contiguous_gradient_is_named_and_nothing_is_noted(host_name):
+    params, cfgs, states = _inventory(seed=4)
+    host = hs.host_step(params, cfgs, states, host_name)
+    _set_grads(params, torch.Generator().manual_seed(5), present=set(range(N)))
+    assert host.read_gradients() == -1
+    before = host.addresses()
+    _set_grads(params, torch.Generator().manual_seed(6), present=set(range(N)), strided={3})
+    assert host.read_gradients() == 3
+    assert host.addresses() == before
+
+
+@pytest.mark.parametrize("host_name", hs.HOSTS)
+def test_an_unreadable_config_raises_before_any_row_or_step_is_written(host_name):
+    params, cfgs, states = _inventory(seed=7)
+    host = hs.host_step(params, cfgs, states, host_name)
+    _set_grads(params, torch.Generator().manual_seed(8), present=set(range(N)))
+    assert host.read_gradients() == -1
+    cfgs[5].lr = "fast"
+    rows = _rows()
+    with pytest.raises((TypeError, ValueError)):
+        host.write_inputs(rows)
+    assert (rows == -7.0).all()
+    assert [s["step"] for s in states] == [3 * i for i in range(N)]
+    cfgs[5].lr = 0.01
+    cfgs[2].adam_betas = (0.9,)
+    with pytest.raises(ValueError, match="parameter 2: adam_betas must hold two numbers"):
+        host.write_inputs(rows)
+    assert [s["step"] for s in states] == [3 * i for i in range(N)]
+
+
+@pytest.mark.parametrize("host_name", hs.HOSTS)
+def test_held_gradients_stay_alive_until_release(host_name):
+    params, cfgs, states = _inventory(seed=9)
+    host = hs.host_step(params, cfgs, states, host_name)
+    _set_grads(params, torch.Generator().manual_seed(10), present=set(range(N)))
+    ref = weakref.ref(params[1].grad)
+    assert host.read_gradients() == -1
+    for p in params:
+        p.grad = None
+    gc.collect()
+    assert ref() is not None
+    host.release()
+    gc.collect()
+    assert ref() is None
+
+
+def test_native_buffers_of_the_wrong_kind_are_refused_naming_the_expectation():
+    params, cfgs, states = _inventory(seed=11)
+    host = hs.host_step(params, cfgs, states, "native")
+    with pytest.raises(
+        ValueError, match=r"write_inputs: expected a contiguous CPU tensor of Double, shape \[6, 7\]"
+    ):
+        host.write_inputs(torch.zeros((6, N), dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"write_addresses: expected .* Long, shape \[7\]"):
+        host.write_addresses(torch.zeros(N + 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="one entry per parameter"):
+        hs.host_step(params, cfgs[:-1], states, "native")
+
+
+def test_a_failed_build_names_the_python_host_as_the_way_out(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(hs, "_module", None)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    with pytest.raises(hs.NativeBuildError, match=r"optim\.replicated_host=python"):
+        hs.host_step(*_inventory(seed=12), "native")
+    with pytest.raises(ValueError, match="host must be one of"):
+        hs.host_step(*_inventory(seed=12), "rust")
+
+
+def test_native_copies_nothing_it_should_not_share():
+    """The native host reads the caller's configs and state dicts themselves, as the reference does."""
+    params, cfgs, states = _inventory(seed=13)
+    host = hs.host_step(params, cfgs, states, "native")
+    shadow = copy.deepcopy(states)
+    _set_grads(params, torch.Generator().manual_seed(14), present={1})
+    host.read_gradients()
+    cfgs[1].lr = 0.5
+    rows = _rows()
+    host.write_inputs(rows)
+    assert rows[0, 1].item() == 0.5
+    assert states[1]["step"] == shadow[1]["step"] + 1
