@@ -53,6 +53,15 @@ def _pair(seed):
     return out
 
 
+def _read_all(host_name, seed):
+    """A host step over a fresh inventory, every parameter's gradient present and read."""
+    params, cfgs, states = _inventory(seed)
+    host = hs.host_step(params, cfgs, states, host_name)
+    _set_grads(params, torch.Generator().manual_seed(seed + 1), present=set(range(N)))
+    assert host.read_gradients() == -1
+    return host, params, cfgs, states
+
+
 def _rows():
     return torch.full((len(STEP_INPUTS), N), -7.0, dtype=torch.float64)
 
@@ -138,10 +147,7 @@ def test_rows_hold_each_config_value_the_step_counter_and_the_arrivals(host_name
 
 @pytest.mark.parametrize("host_name", hs.HOSTS)
 def test_a_non_contiguous_gradient_is_named_and_nothing_is_noted(host_name):
-    params, cfgs, states = _inventory(seed=4)
-    host = hs.host_step(params, cfgs, states, host_name)
-    _set_grads(params, torch.Generator().manual_seed(5), present=set(range(N)))
-    assert host.read_gradients() == -1
+    host, params, cfgs, states = _read_all(host_name, seed=4)
     before = host.addresses()
     _set_grads(params, torch.Generator().manual_seed(6), present=set(range(N)), strided={3})
     assert host.read_gradients() == 3
@@ -150,10 +156,7 @@ def test_a_non_contiguous_gradient_is_named_and_nothing_is_noted(host_name):
 
 @pytest.mark.parametrize("host_name", hs.HOSTS)
 def test_an_unreadable_config_raises_before_any_row_or_step_is_written(host_name):
-    params, cfgs, states = _inventory(seed=7)
-    host = hs.host_step(params, cfgs, states, host_name)
-    _set_grads(params, torch.Generator().manual_seed(8), present=set(range(N)))
-    assert host.read_gradients() == -1
+    host, params, cfgs, states = _read_all(host_name, seed=7)
     cfgs[5].lr = "fast"
     rows = _rows()
     with pytest.raises((TypeError, ValueError)):
