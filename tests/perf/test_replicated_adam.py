@@ -216,6 +216,18 @@ def test_upload_ring_rewrites_a_slot_only_after_waiting_on_its_previous_upload()
     assert len(made) == 3
 
 
+def test_host_tensor_waits_like_host_buffer_and_is_the_slot_the_next_upload_reads():
+    ring, target, log, _ = _fake_ring(2)
+    for step in range(4):
+        slot = ring.slot_index
+        tensor = ring.host_tensor()
+        assert log[-1] == ("wait", slot)
+        assert tensor.data_ptr() == ring.host_buffer().ctypes.data == ring.slot_tensor(slot).data_ptr()
+        tensor.fill_(step)
+        ring.upload()
+        assert torch.equal(target, torch.full((4,), float(step)))
+
+
 def test_a_slot_copied_by_someone_else_is_marked_uploaded_and_waited_on_before_its_next_write():
     # The fused path's CUDA graphs copy the slot themselves; mark_uploaded() then records the slot's event.
     ring, target, log, _ = _fake_ring(2)

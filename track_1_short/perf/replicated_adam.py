@@ -410,6 +410,11 @@ class UploadRing:
             self._events[self._next].synchronize()
         return self._arrays[self._next]
 
+    def host_tensor(self) -> torch.Tensor:
+        """host_buffer()'s slot as its tensor (pinned on CUDA), for writers that take tensors."""
+        self.host_buffer()
+        return self._slots[self._next]
+
     @property
     def slots(self) -> int:
         return len(self._slots)

@@ -267,8 +267,7 @@ class DeviceStep:
             self._fence.wait()  # the last graph has copied both pinned rows
             self.host.write_addresses(self._pinned_addresses)
         else:
-            self.address_ring.host_buffer()  # waits for the slot's last upload
-            self.host.write_addresses(self.address_ring.slot_tensor(self.address_ring.slot_index))
+            self.host.write_addresses(self.address_ring.host_tensor())
             self.address_ring.upload()
 
     def zero_grad(self) -> None:
@@ -285,8 +284,7 @@ class DeviceStep:
         if self.use_graphs:
             # Free to rewrite: the fence has seen the last update graph run.
             return self.host.write_inputs(self._pinned_inputs)
-        self.ring.host_buffer()  # waits for the slot's last upload
-        changed = self.host.write_inputs(self.ring.slot_tensor(self.ring.slot_index))
+        changed = self.host.write_inputs(self.ring.host_tensor())
         self.ring.upload()
         return changed
 
