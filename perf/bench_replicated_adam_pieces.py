@@ -11,11 +11,13 @@ garbage collector off. The public calls (launch_reduce, update, zero_grad) run u
 them are replaced, on the instance only, by wrappers that read the clock around them (a few hundred
 nanoseconds each, charged to the piece). Pieces:
 
-- device (its host step in C++) and device_python (in Python, perf/host_step.py): ``read_gradients`` (the
-  13 .grad reads and their addresses), ``check_held`` (one process: the
-  held gradients' versions), ``fence_wait`` (the check, without a CUDA call, that the last graph has copied
-  the pinned rows), ``write_inputs`` (step counters and the per-step rows), ``update_replay`` (one process:
-  gather, table and Adam), and with several processes ``gather_replay`` in launch_reduce;
+- device (its host step in C++) and device_python (in Python, perf/host_step.py), one call of the host
+  step per public call: ``read_gradients`` (the 13 .grad reads and their addresses), ``fence_wait`` (the
+  check, without a CUDA call, that the last graph has copied the pinned rows), ``stage_update`` (one
+  process: the held gradients' versions, the step counters, the per-step rows and the addresses),
+  ``update_replay`` (one process: gather, table and Adam), ``drop_gradients`` (zero_grad: every .grad =
+  None); with several processes ``write_addresses`` and ``gather_replay`` in launch_reduce and
+  ``write_inputs`` in update;
 - fused: ``foreach_copy`` (one per dtype), ``ring_wait`` (the upload ring's slot: with CUDA graphs a check
   of the fence they signal), ``table_write``, then on CUDA ``graph_replay`` (the slot's upload and both
   launches) and ``ring_mark`` (the slot's fence ticket), without CUDA graphs
@@ -86,12 +88,24 @@ class _TimedGraph:
         self.replay = clock.wrap(name, graph.replay)
 
 
+class _TimedHost:
+    """A host step with a clock around each of its per-step calls (a C++ object takes no new attributes)."""
+
+    CALLS = ("read_gradients", "stage_update", "write_addresses", "write_inputs", "drop_gradients")
+
+    def __init__(self, host, clock: Clock):
+        self._host = host
+        for name in self.CALLS:
+            setattr(self, name, clock.wrap(name, getattr(host, name)))
+
+    def __getattr__(self, name):
+        return getattr(self._host, name)
+
+
 def instrument_device(opt, clock: Clock) -> None:
     """Clocks around the device path's inner calls (its graphs must be captured: run a few steps first)."""
     step = opt._device_mode
-    step._read_gradients = clock.wrap("read_gradients", step._read_gradients)
-    step._check_held = clock.wrap("check_held", step._check_held)
-    step._write_inputs = clock.wrap("write_inputs", step._write_inputs)
+    step.host = _TimedHost(step.host, clock)
     if step.use_graphs:
         step._fence.wait = clock.wrap("fence_wait", step._fence.wait)
         if step.gather_graph is not None:

@@ -77,13 +77,16 @@ def _set_grads(params, gen, present, strided=frozenset()):
 
 
 def test_native_and_python_write_the_same_rows_steps_and_answers_over_random_steps():
+    """Even steps take update()'s one call with one process (stage_update), odd ones the separate calls of
+    several processes; steps end alternately with release() and with drop_gradients() (zero_grad)."""
     pair = _pair(seed=0)
     choices = np.random.default_rng(1)
-    seen = {"refused": 0, "in_place": 0, "static": 0}
-    for step in range(40):
+    seen = {"refused": 0, "in_place": 0, "staged_in_place": 0, "static": 0, "staged_static": 0}
+    for step in range(48):
         present = {i for i in range(N) if choices.random() < 0.75}
         strided = {i for i in present if choices.random() < 0.1}
         new_beta = choices.random() < 0.15
+        staged = step % 2 == 0
         results = []
         for host, params, cfgs, states in pair:
             gen = torch.Generator().manual_seed(step)
@@ -96,15 +99,29 @@ def test_native_and_python_write_the_same_rows_steps_and_answers_over_random_ste
             if bad >= 0:
                 results.append(("refused", bad, [s["step"] for s in states]))
                 continue
-            addresses = torch.zeros(N, dtype=torch.int64)
-            host.write_addresses(addresses)
             expected = [0 if p.grad is None else p.grad.data_ptr() for p in params]
-            assert addresses.tolist() == expected == host.addresses()
-            if step % 4 == 1 and present:
-                params[min(present)].grad.add_(1.0)  # in place after the read
-            changed_in_place = host.changed_in_place()
+            assert host.addresses() == expected
+            held = [p.grad for p in params if p.grad is not None]
+            if step % 3 == 1 and held:
+                held[0].add_(1.0)  # in place after the read
+            addresses = torch.full((N,), -5, dtype=torch.int64)
             rows = _rows()
-            static_changed = host.write_inputs(rows)
+            steps_before = [s["step"] for s in states]
+            if staged:
+                answer = host.stage_update(addresses, rows)
+                changed_in_place = max(answer, -1)
+                static_changed = answer == hs.STATIC_CHANGED
+                if answer >= 0:  # refused: nothing written
+                    assert (rows == -7.0).all() and (addresses == -5).all()
+                    assert [s["step"] for s in states] == steps_before
+                else:
+                    assert answer in (hs.STATIC_SAME, hs.STATIC_CHANGED)
+                    assert addresses.tolist() == expected
+            else:
+                host.write_addresses(addresses)
+                assert addresses.tolist() == expected
+                changed_in_place = host.changed_in_place()
+                static_changed = host.write_inputs(rows)
             if static_changed:
                 host.set_static([(c.adam_betas[0], c.adam_betas[1], c.eps) for c in cfgs])
             results.append(
@@ -116,14 +133,26 @@ def test_native_and_python_write_the_same_rows_steps_and_answers_over_random_ste
                     [s["step"] for s in states],
                 )
             )
-            host.release()
+            if step % 4 < 2:
+                host.release()
+            else:
+                host.drop_gradients()
+                assert all(p.grad is None for p in params)
             assert host.arrived() == [False] * N
         native, python = results
         assert native == python, f"step {step}"
-        seen["refused"] += native[0] == "refused"
-        seen["in_place"] += native[0] != "refused" and native[1] >= 0
-        seen["static"] += native[0] != "refused" and native[2]
+        if native[0] != "refused":
+            seen["in_place" if not staged else "staged_in_place"] += native[1] >= 0
+            seen["static" if not staged else "staged_static"] += native[2]
+        else:
+            seen["refused"] += 1
     assert all(seen.values()), seen  # the seeded run went through every branch
+
+
+def test_the_native_module_answers_with_the_reference_codes():
+    module = hs.native_module()
+    assert (module.STATIC_SAME, module.STATIC_CHANGED) == (hs.STATIC_SAME, hs.STATIC_CHANGED)
+    assert len({hs.STATIC_SAME, hs.STATIC_CHANGED}) == 2 and max(hs.STATIC_SAME, hs.STATIC_CHANGED) < 0
 
 
 @pytest.mark.parametrize("host_name", hs.HOSTS)
@@ -171,19 +200,36 @@ def test_an_unreadable_config_raises_before_any_row_or_step_is_written(host_name
 
 
 @pytest.mark.parametrize("host_name", hs.HOSTS)
-def test_held_gradients_stay_alive_until_release(host_name):
+@pytest.mark.parametrize("end", ["release", "drop_gradients", "next_read"])
+def test_held_gradients_stay_alive_until_released_dropped_or_replaced(host_name, end):
     params, cfgs, states = _inventory(seed=9)
     host = hs.host_step(params, cfgs, states, host_name)
     _set_grads(params, torch.Generator().manual_seed(10), present=set(range(N)))
     ref = weakref.ref(params[1].grad)
     assert host.read_gradients() == -1
+    host.stage_update(torch.zeros(N, dtype=torch.int64), _rows())
     for p in params:
         p.grad = None
     gc.collect()
     assert ref() is not None
-    host.release()
+    if end == "next_read":
+        assert host.read_gradients() == -1
+        assert host.arrived() == [False] * N
+    else:
+        getattr(host, end)()
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("host_name", hs.HOSTS)
+def test_drop_gradients_clears_every_grad_as_zero_grad_does(host_name):
+    host, params, cfgs, states = _read_all(host_name, seed=15)
+    host.drop_gradients()
+    assert all(p.grad is None for p in params)
+    assert host.arrived() == [False] * N
+    _set_grads(params, torch.Generator().manual_seed(16), present={2})
+    assert host.read_gradients() == -1
+    assert host.arrived() == [i == 2 for i in range(N)]
 
 
 def test_native_buffers_of_the_wrong_kind_are_refused_naming_the_expectation():
@@ -195,6 +241,13 @@ def test_native_buffers_of_the_wrong_kind_are_refused_naming_the_expectation():
         host.write_inputs(torch.zeros((6, N), dtype=torch.float32))
     with pytest.raises(ValueError, match=r"write_addresses: expected .* Long, shape \[7\]"):
         host.write_addresses(torch.zeros(N + 1, dtype=torch.int64))
+    # stage_update checks both buffers before it writes either or counts a step.
+    rows = _rows()
+    with pytest.raises(ValueError, match=r"stage_update: expected .* Long, shape \[7\]"):
+        host.stage_update(torch.zeros(N, dtype=torch.int32), rows)
+    with pytest.raises(ValueError, match=r"stage_update: expected .* Double, shape \[6, 7\]"):
+        host.stage_update(torch.zeros(N, dtype=torch.int64), rows[:5])
+    assert (rows == -7.0).all() and [s["step"] for s in states] == [3 * i for i in range(N)]
     with pytest.raises(ValueError, match="one entry per parameter"):
         hs.host_step(params, cfgs[:-1], states, "native")
 

@@ -14,9 +14,11 @@ EXPECTED = {
     ("fused", "launch_reduce"): {"foreach_copy"},
     ("fused", "update"): {"ring_wait", "table_write", "upload", "launch_0", "launch_1"},
     ("device", "launch_reduce"): {"read_gradients"},
-    ("device", "update"): {"check_held", "write_inputs"},
+    ("device", "update"): {"stage_update"},
+    ("device", "zero_grad"): {"drop_gradients"},
     ("device_python", "launch_reduce"): {"read_gradients"},
-    ("device_python", "update"): {"check_held", "write_inputs"},
+    ("device_python", "update"): {"stage_update"},
+    ("device_python", "zero_grad"): {"drop_gradients"},
 }
 
 

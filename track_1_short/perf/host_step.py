@@ -12,7 +12,8 @@ Measured in perf/RESULTS.md (replicated_adam.json and replicated_adam_pieces.jso
 
 Why it is faster: ``native/host_step.cpp`` does the same loop over TensorImpls (THPVariable_Unpack, grad(),
 const_data_ptr(), _version()) and reads configs through the C API into doubles written straight into the
-rows: one call per public step, no per-value Python objects. It is built once per machine by
+rows: one call per public step (launch_reduce: ``read_gradients``; update, with one process: ``stage_update``;
+zero_grad: ``drop_gradients``), no per-value Python objects. It is built once per machine by
 torch.utils.cpp_extension (a C++ compiler and ninja; cached under TORCH_EXTENSIONS_DIR).
 
 Invariants (tests/perf/test_host_step.py, against PythonHostStep on the same inputs; the device mode's bitwise
@@ -20,8 +21,9 @@ tests run on the native host):
 1. The same rows, addresses, step counters and return values as the reference, for every mix of present,
    missing, non-contiguous and in-place-changed gradients and changed betas or eps.
 2. Nothing is written before a refusal: a non-contiguous gradient leaves the held gradients and addresses as
-   they were; a config that cannot be read leaves the rows and every step counter as they were.
-3. The held gradients stay alive until release(), whoever drops .grad meanwhile.
+   they were; a config that cannot be read, or (stage_update) a held gradient changed in place, leaves the
+   rows, the addresses and every step counter as they were.
+3. The held gradients stay alive until release() or drop_gradients(), whoever drops .grad meanwhile.
 
 Provenance: PyTorch's own optimizers moved per-step host loops into C++ the same way (the fused Adam's
 multi-tensor apply takes tensor lists in one call); reading a tensor's autograd grad through
@@ -41,6 +43,10 @@ import numpy as np
 import torch
 
 HOSTS = ("native", "python")
+# stage_update()'s answers other than the index of a gradient changed in place (the C++ module exports the
+# same two numbers).
+STATIC_SAME = -1  # rows written; every beta and eps as set_static() last set them
+STATIC_CHANGED = -2  # rows written; a beta or eps changed: the static data must be rebuilt
 _SOURCE = Path(__file__).parent / "native" / "host_step.cpp"
 _lock = threading.Lock()
 _module = None
@@ -130,6 +136,19 @@ class PythonHostStep:
         out[4] = [state["step"] for state in self.states]
         out[5] = active
         return keys != self._static
+
+    def stage_update(self, addresses_row: torch.Tensor, rows: torch.Tensor) -> int:
+        bad = self.changed_in_place()
+        if bad >= 0:
+            return bad
+        changed = self.write_inputs(rows)
+        self.write_addresses(addresses_row)
+        return STATIC_CHANGED if changed else STATIC_SAME
+
+    def drop_gradients(self) -> None:
+        self.release()
+        for p in self.params:
+            p.grad = None
 
     def set_static(self, keys) -> None:
         self._static = [tuple(float(x) for x in key) for key in keys]

@@ -68,7 +68,7 @@ from track_1_short import distributed
 from track_1_short.optim.adam import first_moment_correction, second_moment_correction
 from track_1_short.perf.graph_check import same_bits
 from track_1_short.perf.graph_fence import GraphFence
-from track_1_short.perf.host_step import host_step
+from track_1_short.perf.host_step import STATIC_CHANGED, host_step
 from track_1_short.perf.kernels import replicated_adam as kernels
 from track_1_short.perf.kernels.replicated_adam import STEP_INPUTS
 from track_1_short.perf.replicated_adam import (
@@ -220,16 +220,25 @@ class DeviceStep:
                 "impl='device' gathers gradients as flat memory: assign p.grad = g.contiguous()"
             )
 
-    def _check_held(self) -> None:
-        """Refuse gradients changed in place since launch_reduce() (the deferred gather would read the new
-        values, where the fused path copied the old ones), before anything is written."""
-        bad = self.host.changed_in_place()
-        if bad >= 0:
+    def _stage_update(self) -> bool:
+        """One process: refuse a gradient changed in place since launch_reduce() (the deferred gather would
+        read the new values, where the fused path copied the old ones) before anything is written, then write
+        this step's inputs and addresses, in one host-step call. Returns whether a beta or eps changed."""
+        if self.use_graphs:
+            self._fence.wait()  # the last graph has copied both pinned rows
+            answer = self.host.stage_update(self._pinned_addresses, self._pinned_inputs)
+        else:
+            answer = self.host.stage_update(self.address_ring.host_tensor(), self.ring.host_tensor())
+        if answer >= 0:
             raise ReplicatedAdamError(
-                f"{describe(self.params, bad)}: .grad was changed in place between launch_reduce() and "
+                f"{describe(self.params, answer)}: .grad was changed in place between launch_reduce() and "
                 "update(); with one process impl='device' reads the gradients in update(): finish "
                 "changing them before launch_reduce(), or use impl='fused'"
             )
+        if not self.use_graphs:
+            self.address_ring.upload()
+            self.ring.upload()
+        return answer == STATIC_CHANGED
 
     def _upload_and_gather(self) -> None:
         if self.use_graphs:
@@ -262,7 +271,8 @@ class DeviceStep:
             self._handles = [distributed.all_reduce_avg(group.grad, async_op=True) for group in self.groups]
 
     def _write_addresses(self) -> None:
-        """This step's gradient addresses into the row the gather reads (uploaded at once without graphs)."""
+        """Several processes: this step's gradient addresses into the row the gather reads (uploaded at once
+        without graphs)."""
         if self.use_graphs:
             self._fence.wait()  # the last graph has copied both pinned rows
             self.host.write_addresses(self._pinned_addresses)
@@ -273,11 +283,11 @@ class DeviceStep:
     def zero_grad(self) -> None:
         if self._reduce_pending:
             raise ReplicatedAdamError("zero_grad() called between launch_reduce() and update()")
-        for p in self.params:
-            p.grad = None
+        self.host.drop_gradients()  # every .grad = None; the held gradients released
 
     def _write_inputs(self) -> bool:
-        """Write this step's per-parameter inputs (STEP_INPUTS order) and count the active parameters' steps.
+        """Several processes: write this step's per-parameter inputs (STEP_INPUTS order) and count the active
+        parameters' steps.
 
         Returns whether a beta or eps changed since the static data was built (read in the same pass).
         """
@@ -307,10 +317,9 @@ class DeviceStep:
     def update(self) -> None:
         if not self._reduce_pending:
             raise ReplicatedAdamError("update() called without launch_reduce(); call launch_reduce() first")
-        if self.gather_in_update:
-            self._check_held()  # may raise: nothing is written before it returns
-            self._write_addresses()
-        if self._write_inputs():
+        # Either may raise: nothing is written before it does.
+        static_changed = self._stage_update() if self.gather_in_update else self._write_inputs()
+        if static_changed:
             self._refresh_static()
         if self.use_graphs and not self.graphs_trusted:
             self._capture_and_check()
@@ -322,8 +331,10 @@ class DeviceStep:
                 self._fence.count()
             else:
                 self._launch_step_kernels()
+        # The held gradients go at zero_grad() or the next launch_reduce(), not here (one host call fewer per
+        # step): nothing needs them after the replay just enqueued, since a block freed now is reused only
+        # behind it on this stream.
         self._handles = []
-        self.host.release()
         self._reduce_pending = False
 
     # ---- CUDA graphs --------------------------------------------------------------------------------------

@@ -24,6 +24,10 @@ constexpr int64_t kInputRows = 6;
 constexpr int kConfigValues = 4;  // lr, lr_mul, weight_decay, wd_mul: rows 0..3
 constexpr int kStepRow = 4;
 constexpr int kActiveRow = 5;
+// stage_update()'s answers other than the index of a gradient changed in place (perf/host_step.py's
+// STATIC_SAME and STATIC_CHANGED).
+constexpr int64_t kStaticSame = -1;
+constexpr int64_t kStaticChanged = -2;
 const char* const kConfigNames[kConfigValues] = {"lr", "lr_mul", "weight_decay", "wd_mul"};
 
 double to_double(PyObject* value) {
@@ -180,6 +184,29 @@ class HostStep {
     return changed;
   }
 
+  // update()'s host work with one process, in one call: refuse a held gradient changed in place (its index
+  // is returned, nothing written), then write_inputs() and write_addresses(). Both buffers are checked
+  // before anything is written; the addresses go last since writing them cannot fail.
+  int64_t stage_update(const at::Tensor& addresses_row, const at::Tensor& rows) {
+    check_row_buffer(addresses_row, at::kLong, 1, n_, "stage_update");
+    check_row_buffer(rows, at::kDouble, kInputRows, n_, "stage_update");
+    const int64_t bad = changed_in_place();
+    if (bad >= 0) {
+      return bad;
+    }
+    const bool changed = write_inputs(rows);
+    write_addresses(addresses_row);
+    return changed ? kStaticChanged : kStaticSame;
+  }
+
+  // zero_grad(): every parameter's .grad = None, and the held gradients released.
+  void drop_gradients() {
+    release();
+    for (const auto& param : params_) {
+      THPVariable_Unpack(param.ptr()).mutable_grad().reset();
+    }
+  }
+
   // The (beta1, beta2, eps) of every parameter that the static data on the device was built for.
   void set_static(const std::vector<std::array<double, 3>>& keys) {
     if (static_cast<int64_t>(keys.size()) != n_) {
@@ -192,7 +219,7 @@ class HostStep {
     }
   }
 
-  // Drop the held gradients and forget the arrivals (after the step that used them).
+  // Drop the held gradients and forget the arrivals.
   void release() {
     for (auto& grad : held_) {
       grad.reset();
@@ -224,6 +251,8 @@ class HostStep {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "The per-step host work of ReplicatedAdam's device mode (track_1_short/perf/host_step.py).";
+  m.attr("STATIC_SAME") = kStaticSame;
+  m.attr("STATIC_CHANGED") = kStaticChanged;
   py::class_<HostStep>(m, "HostStep")
       .def(py::init<const py::list&, const py::list&, const py::list&>(), py::arg("params"), py::arg("cfgs"),
            py::arg("states"))
@@ -232,6 +261,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("write_addresses", &HostStep::write_addresses, py::arg("row"))
       .def("write_inputs", &HostStep::write_inputs, py::arg("rows"))
       .def("set_static", &HostStep::set_static, py::arg("keys"))
+      .def("stage_update", &HostStep::stage_update, py::arg("addresses_row"), py::arg("rows"))
+      .def("drop_gradients", &HostStep::drop_gradients)
       .def("release", &HostStep::release)
       .def("arrived", &HostStep::arrived)
       .def("addresses", &HostStep::addresses);
