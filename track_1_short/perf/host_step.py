@@ -8,8 +8,7 @@ uploads. In Python that is about 13 x 10 attribute reads, bound-method calls and
 row assignments: 29 of the device mode's 62 host microseconds per step on an H100 host
 (replicated_adam_pieces_before_native.json: read_gradients 11.8 + write_inputs 17.5), next to a 7.5 us replay.
 Measured in perf/RESULTS.md (replicated_adam.json and replicated_adam_pieces.json: ``device`` against
-``device_python``, interleaved in the same rounds: 104.7 against 191.6 host us per Adam step on one H100
-host).
+``device_python``, interleaved in the same rounds: 37.7 against 86.6 host us per Adam step on one H100).
 
 Why it is faster: ``native/host_step.cpp`` does the same loop over TensorImpls (THPVariable_Unpack, grad(),
 const_data_ptr(), _version()) and reads configs through the C API into doubles written straight into the
