@@ -13,11 +13,11 @@ nanoseconds each, charged to the piece). Pieces:
 
 - device (its host step in C++) and device_python (in Python, perf/host_step.py), one call of the host
   step per public call: ``read_gradients`` (the 13 .grad reads and their addresses), ``fence_wait`` (the
-  check, without a CUDA call, that the last graph has copied the pinned rows), ``stage_update`` (one
-  process: the held gradients' versions, the step counters, the per-step rows and the addresses),
-  ``update_replay`` (one process: gather, table and Adam), ``drop_gradients`` (zero_grad: every .grad =
-  None); with several processes ``write_addresses`` and ``gather_replay`` in launch_reduce and
-  ``write_inputs`` in update;
+  check, without a CUDA call, that the last graph has copied the pinned rows), ``stage_and_replay`` (one
+  process: the held gradients' versions, the step counters, the per-step rows and the addresses, then the
+  launch of the update graph, which gathers, fills the table and runs Adam), ``drop_gradients`` (zero_grad:
+  every .grad = None); with several processes ``write_addresses`` and ``gather_replay`` in launch_reduce
+  and ``write_inputs`` and ``update_replay`` in update;
 - fused: ``foreach_copy`` (one per dtype), ``ring_wait`` (the upload ring's slot: with CUDA graphs a check
   of the fence they signal), ``table_write``, then on CUDA ``graph_replay`` (the slot's upload and both
   launches) and ``ring_mark`` (the slot's fence ticket), without CUDA graphs
@@ -91,7 +91,14 @@ class _TimedGraph:
 class _TimedHost:
     """A host step with a clock around each of its per-step calls (a C++ object takes no new attributes)."""
 
-    CALLS = ("read_gradients", "stage_update", "write_addresses", "write_inputs", "drop_gradients")
+    CALLS = (
+        "read_gradients",
+        "stage_update",
+        "stage_and_replay",
+        "write_addresses",
+        "write_inputs",
+        "drop_gradients",
+    )
 
     def __init__(self, host, clock: Clock):
         self._host = host

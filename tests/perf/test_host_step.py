@@ -278,3 +278,70 @@ def test_native_copies_nothing_it_should_not_share():
     host.write_inputs(rows)
     assert rows[0, 1].item() == 0.5
     assert states[1]["step"] == shadow[1]["step"] + 1
+
+
+def _libcuda_loads() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("host_name", hs.HOSTS)
+def test_stage_and_replay_refuses_a_missing_graph_or_driver_before_anything_is_written(host_name):
+    host, params, cfgs, states = _read_all(host_name, seed=17)
+    rows, addresses = _rows(), torch.full((N,), -5, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"graph_exec is 0; pass CUDAGraph\.raw_cuda_graph_exec\(\)"):
+        host.stage_and_replay(addresses, rows, 0, 0)
+    if (
+        not _libcuda_loads()
+    ):  # a machine without the CUDA driver (CPU CI): the driver is named, nothing written
+        with pytest.raises(RuntimeError, match=r"libcuda\.so\.1"):
+            host.stage_and_replay(addresses, rows, 12345, 0)
+    assert (rows == -7.0).all() and (addresses == -5).all()
+    assert [s["step"] for s in states] == [3 * i for i in range(N)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host_name", hs.HOSTS)
+def test_stage_and_replay_launches_the_graph_only_when_the_rows_were_written_with_the_same_statics(host_name):
+    """One launch per STATIC_SAME answer; none after a refusal (gradient changed in place) or a change of
+    betas, where the caller rebuilds the graph first. The graph counts its launches on the device."""
+    params, cfgs, states = _inventory(seed=18)
+    host = hs.host_step(params, cfgs, states, host_name)
+    host.set_static([(c.adam_betas[0], c.adam_betas[1], c.eps) for c in cfgs])
+    launches = torch.zeros(1, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launches.add_(1)
+    graph_exec = graph.raw_cuda_graph_exec()
+    torch.cuda.synchronize()
+    base = launches.item()
+    rows, addresses = _rows(), torch.zeros(N, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(19)
+
+    _set_grads(params, gen, present=set(range(N)))
+    assert host.read_gradients() == -1
+    assert host.stage_and_replay(addresses, rows, graph_exec, 0) == hs.STATIC_SAME
+    torch.cuda.synchronize()
+    assert launches.item() == base + 1
+    assert addresses.tolist() == [p.grad.data_ptr() for p in params]
+
+    _set_grads(params, gen, present=set(range(N)))
+    assert host.read_gradients() == -1
+    params[3].grad.mul_(2.0)  # changed in place after the read
+    steps = [s["step"] for s in states]
+    assert host.stage_and_replay(addresses, rows, graph_exec, 0) == 3
+    assert [s["step"] for s in states] == steps
+
+    _set_grads(params, gen, present=set(range(N)))
+    assert host.read_gradients() == -1
+    cfgs[4].adam_betas = (0.8, 0.99)
+    assert host.stage_and_replay(addresses, rows, graph_exec, 0) == hs.STATIC_CHANGED
+    torch.cuda.synchronize()
+    assert launches.item() == base + 1
+    assert [s["step"] for s in states] == [s + 1 for s in steps]  # the rows were written: steps counted

@@ -12,9 +12,10 @@ Measured in perf/RESULTS.md (replicated_adam.json and replicated_adam_pieces.jso
 
 Why it is faster: ``native/host_step.cpp`` does the same loop over TensorImpls (THPVariable_Unpack, grad(),
 const_data_ptr(), _version()) and reads configs through the C API into doubles written straight into the
-rows: one call per public step (launch_reduce: ``read_gradients``; update, with one process: ``stage_update``;
-zero_grad: ``drop_gradients``), no per-value Python objects. It is built once per machine by
-torch.utils.cpp_extension (a C++ compiler and ninja; cached under TORCH_EXTENSIONS_DIR).
+rows: one call per public step (launch_reduce: ``read_gradients``; update, with one process:
+``stage_and_replay``, which also launches the update graph through the CUDA driver, or ``stage_update`` while
+that graph is not yet trusted; zero_grad: ``drop_gradients``), no per-value Python objects. It is built once
+per machine by torch.utils.cpp_extension (a C++ compiler and ninja; cached under TORCH_EXTENSIONS_DIR).
 
 Invariants (tests/perf/test_host_step.py, against PythonHostStep on the same inputs; the device mode's bitwise
 tests run on the native host):
@@ -22,7 +23,8 @@ tests run on the native host):
    missing, non-contiguous and in-place-changed gradients and changed betas or eps.
 2. Nothing is written before a refusal: a non-contiguous gradient leaves the held gradients and addresses as
    they were; a config that cannot be read, or (stage_update) a held gradient changed in place, leaves the
-   rows, the addresses and every step counter as they were.
+   rows, the addresses and every step counter as they were. stage_and_replay launches only when the rows
+   were written with the betas and eps of the last set_static(), and finds the driver before it writes.
 3. The held gradients stay alive until release() or drop_gradients(), whoever drops .grad meanwhile.
 
 Provenance: PyTorch's own optimizers moved per-step host loops into C++ the same way (the fused Adam's
@@ -145,6 +147,18 @@ class PythonHostStep:
         self.write_addresses(addresses_row)
         return STATIC_CHANGED if changed else STATIC_SAME
 
+    def stage_and_replay(self, addresses_row, rows, graph_exec: int, device_index: int) -> int:
+        if graph_exec == 0:
+            raise ValueError("stage_and_replay: graph_exec is 0; pass CUDAGraph.raw_cuda_graph_exec()")
+        launch = _graph_launch()  # may raise: before anything is written
+        stream = torch.cuda.current_stream(device_index).cuda_stream
+        answer = self.stage_update(addresses_row, rows)
+        if answer == STATIC_SAME:
+            result = launch(graph_exec, stream)
+            if result != 0:
+                raise RuntimeError(f"replay: cuGraphLaunch failed with CUDA error {result}")
+        return answer
+
     def drop_gradients(self) -> None:
         self.release()
         for p in self.params:
@@ -162,6 +176,27 @@ class PythonHostStep:
 
     def addresses(self) -> list[int]:
         return list(self._addresses)
+
+
+_graph_launch_fn = None
+
+
+def _graph_launch():
+    """The CUDA driver's cuGraphLaunch(graph_exec, stream) through ctypes (the reference's replay)."""
+    global _graph_launch_fn
+    if _graph_launch_fn is None:
+        import ctypes
+
+        try:
+            function = ctypes.CDLL("libcuda.so.1").cuGraphLaunch
+        except (OSError, AttributeError) as error:
+            raise RuntimeError(
+                f"replay: the CUDA driver (libcuda.so.1, cuGraphLaunch) could not be loaded: {error}"
+            ) from error
+        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        function.restype = ctypes.c_int
+        _graph_launch_fn = function
+    return _graph_launch_fn
 
 
 def host_step(params, cfgs, states, host: str = "native"):

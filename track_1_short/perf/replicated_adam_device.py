@@ -5,7 +5,9 @@ perf/replicated_adam.py's host path): per Adam step, the NumPy scalar table, its
 the foreach copy of the gradients into the flat buffers, one all_reduce and one Triton launch per dtype.
 
 Why it is faster: the host writes two small rows of numbers into pinned memory and replays CUDA graphs; with
-one process that is one replay per Adam step and no other CUDA call. Reading the gradients and configs and
+one process that is one replay per Adam step and no other CUDA call, launched by the host step itself in the
+same call that writes the rows (cuGraphLaunch from C++, where torch.cuda.CUDAGraph.replay() was a second call
+from Python). Reading the gradients and configs and
 writing those rows is the host step of perf/host_step.py (C++ by default, its Python reference selectable).
 - Gradients are gathered on the device. Autograd leaves each .grad where it likes (a fresh tensor every
   step); their 13 data pointers (0 for a parameter without a gradient) go into a pinned int64 row, and the
@@ -22,9 +24,9 @@ writing those rows is the host step of perf/host_step.py (C++ by default, its Py
 - One Adam launch for every dtype.
 - On CUDA the gather, the reduce (NCCL, with several processes) and the update (table kernel and Adam kernel)
   are CUDA graphs, replayed. With one process there is no reduce to start early, so the gather waits for
-  update() and rides in the update graph: one replay per Adam step. launch_reduce() then only reads the
-  addresses and holds the gradients. With several processes launch_reduce() replays the gather and the
-  reduce, update() the update.
+  update() and rides in the update graph: one replay per Adam step (``stage_and_replay``). launch_reduce()
+  then only reads the addresses and holds the gradients. With several processes launch_reduce() replays the
+  gather and the reduce, update() the update.
 - The host learns that the last update graph has copied the pinned rows from a fence (perf/graph_fence.py)
   that the graph signals into pinned memory: a load from memory where an event's record and wait were two
   CUDA calls.
@@ -173,6 +175,9 @@ class DeviceStep:
         self.gather_graph = None
         self.reduce_graph = None
         self.update_graph = None
+        self._update_exec = 0
+        cuda_index = device.type == "cuda" and device.index is None
+        self._device_index = torch.cuda.current_device() if cuda_index else (device.index or 0)
         self._pre_reduce: list[torch.Tensor] | None = None
 
     # ---- static data --------------------------------------------------------------------------------------
@@ -220,13 +225,21 @@ class DeviceStep:
                 "impl='device' gathers gradients as flat memory: assign p.grad = g.contiguous()"
             )
 
-    def _stage_update(self) -> bool:
+    def _stage_update(self) -> tuple[bool, bool]:
         """One process: refuse a gradient changed in place since launch_reduce() (the deferred gather would
         read the new values, where the fused path copied the old ones) before anything is written, then write
-        this step's inputs and addresses, in one host-step call. Returns whether a beta or eps changed."""
+        this step's inputs and addresses, in one host-step call; once the update graph is trusted that call
+        also launches it, unless a beta or eps changed. Returns (whether a beta or eps changed, whether the
+        update graph was launched)."""
+        replay = self.use_graphs and self.graphs_trusted and self.update_graph is not None
         if self.use_graphs:
             self._fence.wait()  # the last graph has copied both pinned rows
-            answer = self.host.stage_update(self._pinned_addresses, self._pinned_inputs)
+            if replay:
+                answer = self.host.stage_and_replay(
+                    self._pinned_addresses, self._pinned_inputs, self._update_exec, self._device_index
+                )
+            else:
+                answer = self.host.stage_update(self._pinned_addresses, self._pinned_inputs)
         else:
             answer = self.host.stage_update(self.address_ring.host_tensor(), self.ring.host_tensor())
         if answer >= 0:
@@ -238,7 +251,8 @@ class DeviceStep:
         if not self.use_graphs:
             self.address_ring.upload()
             self.ring.upload()
-        return answer == STATIC_CHANGED
+        changed = answer == STATIC_CHANGED
+        return changed, replay and not changed
 
     def _upload_and_gather(self) -> None:
         if self.use_graphs:
@@ -318,19 +332,25 @@ class DeviceStep:
         if not self._reduce_pending:
             raise ReplicatedAdamError("update() called without launch_reduce(); call launch_reduce() first")
         # Either may raise: nothing is written before it does.
-        static_changed = self._stage_update() if self.gather_in_update else self._write_inputs()
-        if static_changed:
-            self._refresh_static()
-        if self.use_graphs and not self.graphs_trusted:
-            self._capture_and_check()
+        if self.gather_in_update:
+            static_changed, replayed = self._stage_update()
         else:
-            for handle in self._handles:  # none when the reduce is a graph
-                handle.wait()
-            if self.update_graph is not None:
-                self.update_graph.replay()
-                self._fence.count()
+            static_changed, replayed = self._write_inputs(), False
+        if replayed:  # the host step launched the update graph
+            self._fence.count()
+        else:
+            if static_changed:
+                self._refresh_static()
+            if self.use_graphs and not self.graphs_trusted:
+                self._capture_and_check()
             else:
-                self._launch_step_kernels()
+                for handle in self._handles:  # none when the reduce is a graph
+                    handle.wait()
+                if self.update_graph is not None:
+                    self.update_graph.replay()
+                    self._fence.count()
+                else:
+                    self._launch_step_kernels()
         # The held gradients go at zero_grad() or the next launch_reduce(), not here (one host call fewer per
         # step): nothing needs them after the replay just enqueued, since a block freed now is reused only
         # behind it on this stream.
@@ -391,6 +411,8 @@ class DeviceStep:
         self.update_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.update_graph, capture_error_mode="thread_local"):
             self._launch_step_kernels()
+        # What the host step launches (stage_and_replay); valid while update_graph holds the graph.
+        self._update_exec = self.update_graph.raw_cuda_graph_exec()
         if capture_reduce:
             self.reduce_graph.replay()
             differs = torch.tensor(

@@ -6,12 +6,16 @@
 // state dict and writes two small rows of numbers. Here that is a loop over TensorImpls and a few attribute
 // reads through the C API, where Python paid a bound-method call and a boxed number per value.
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/python_variable.h>
+
+#include <dlfcn.h>
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <array>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -56,6 +60,54 @@ void check_row_buffer(const at::Tensor& buffer, at::ScalarType dtype, int64_t ro
                           (rows == 1 ? "" : std::to_string(rows) + ", ") + std::to_string(n) + "], got " +
                           std::string(c10::toString(buffer.scalar_type())) + " " +
                           c10::str(buffer.sizes()) + " on " + buffer.device().str());
+  }
+}
+
+// The CUDA driver's graph launch, looked up at run time: the extension is built without the CUDA toolkit, and
+// on a machine without a driver nothing here is loaded until a replay is asked for.
+using CuResult = int;
+using CuGraphLaunch = CuResult (*)(void* graph_exec, void* stream);
+using CuGetErrorString = CuResult (*)(CuResult, const char**);
+
+struct Driver {
+  CuGraphLaunch graph_launch = nullptr;
+  CuGetErrorString error_string = nullptr;
+};
+
+const Driver& driver() {
+  static const Driver loaded = [] {
+    Driver d;
+    void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (library != nullptr) {
+      d.graph_launch = reinterpret_cast<CuGraphLaunch>(dlsym(library, "cuGraphLaunch"));
+      d.error_string = reinterpret_cast<CuGetErrorString>(dlsym(library, "cuGetErrorString"));
+    }
+    return d;
+  }();
+  if (loaded.graph_launch == nullptr) {
+    throw std::runtime_error("replay: the CUDA driver (libcuda.so.1, cuGraphLaunch) could not be loaded");
+  }
+  return loaded;
+}
+
+// The current stream of CUDA device `device_index`, as the driver's handle (torch.cuda.current_stream()).
+void* current_stream(int64_t device_index) {
+  c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
+  const c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index));
+  return cuda.getStream(device).native_handle();
+}
+
+// Launch an instantiated graph on `stream`: what torch.cuda.CUDAGraph.replay() does for a graph that holds no
+// random-number work.
+void launch_graph(const Driver& d, int64_t graph_exec, void* stream) {
+  const CuResult result = d.graph_launch(reinterpret_cast<void*>(graph_exec), stream);
+  if (result != 0) {
+    const char* text = nullptr;
+    if (d.error_string == nullptr || d.error_string(result, &text) != 0 || text == nullptr) {
+      text = "unknown error";
+    }
+    throw std::runtime_error("replay: cuGraphLaunch failed with CUDA error " + std::to_string(result) + " (" +
+                             text + ")");
   }
 }
 
@@ -199,6 +251,24 @@ class HostStep {
     return changed ? kStaticChanged : kStaticSame;
   }
 
+  // stage_update(), then, when it wrote the rows and no beta or eps changed (STATIC_SAME), launch the update
+  // graph that uploads them, on the current stream of the parameters' device: update()'s one call with one
+  // process once that graph is trusted. On any other answer nothing is launched: a refusal wrote nothing, and
+  // after a change of betas or eps the caller rebuilds the static data and captures the graph again.
+  int64_t stage_and_replay(const at::Tensor& addresses_row, const at::Tensor& rows, int64_t graph_exec,
+                           int64_t device_index) {
+    if (graph_exec == 0) {
+      throw py::value_error("stage_and_replay: graph_exec is 0; pass CUDAGraph.raw_cuda_graph_exec()");
+    }
+    const Driver& d = driver();  // may raise: before anything is written
+    void* stream = current_stream(device_index);
+    const int64_t answer = stage_update(addresses_row, rows);
+    if (answer == kStaticSame) {
+      launch_graph(d, graph_exec, stream);
+    }
+    return answer;
+  }
+
   // zero_grad(): every parameter's .grad = None, and the held gradients released.
   void drop_gradients() {
     release();
@@ -262,6 +332,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("write_inputs", &HostStep::write_inputs, py::arg("rows"))
       .def("set_static", &HostStep::set_static, py::arg("keys"))
       .def("stage_update", &HostStep::stage_update, py::arg("addresses_row"), py::arg("rows"))
+      .def("stage_and_replay", &HostStep::stage_and_replay, py::arg("addresses_row"), py::arg("rows"),
+           py::arg("graph_exec"), py::arg("device_index"))
       .def("drop_gradients", &HostStep::drop_gradients)
       .def("release", &HostStep::release)
       .def("arrived", &HostStep::arrived)
