@@ -92,11 +92,19 @@ RECORD = [
 ]
 ADAM_LR, ADAM_EPS, ADAM_WD = 0.008, 1e-10, 0.005  # the record's Adam settings
 PATHS = ("per_param", "fused", "device", "torch_adam")
-# Selectable with --paths, not run by default: the device path laid out as with several processes, and with
-# its host step in Python.
-EXTRA_PATHS = ("device_split", "device_python")
+# Selectable with --paths, not run by default: the device path laid out as with several processes, with its
+# host step in Python, and with its update graph replayed by torch after the host step.
+EXTRA_PATHS = ("device_split", "device_python", "device_torch_replay")
 SETS = ("record", "synthetic")
-LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
+# The device path's host step launches its graph through the driver (cuGraphLaunch), torch through the runtime.
+LAUNCH_CALLS = (
+    "cudaLaunchKernel",
+    "cuLaunchKernel",
+    "cudaGraphLaunch",
+    "cuGraphLaunch",
+    "cudaMemcpyAsync",
+    "cudaMemsetAsync",
+)
 # aten ops that only allocate or re-describe memory: no kernel on a GPU, not counted as launches on the CPU.
 NO_KERNEL_OPS = {
     "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::new_empty_strided",
@@ -244,6 +252,15 @@ class DevicePython(Device):
     host = "python"
 
 
+class DeviceTorchReplay(Device):
+    """impl="device" with its update graph launched as before the host step launched it: the host step stages
+    the rows (stage_update), then torch.cuda.CUDAGraph.replay() from Python: what stage_and_replay saves."""
+
+    def __init__(self, params, cfgs, states, device, block):
+        super().__init__(params, cfgs, states, device, block)
+        self.opt._device_mode.replay_in_host_step = False
+
+
 class TorchAdam:
     def __init__(self, params, cfgs, states, device, block):
         self.params, self.cfgs = params, cfgs
@@ -292,6 +309,7 @@ PATH_CLASSES = {
     "torch_adam": TorchAdam,
     "device_split": DeviceSplit,
     "device_python": DevicePython,
+    "device_torch_replay": DeviceTorchReplay,
 }
 
 

@@ -342,3 +342,18 @@ def test_device_python_is_selectable_runs_the_python_host_step_and_ends_bitwise_
     assert bench.main([*argv, "--warmup", "1", "--profile-steps", "1", "--out", str(out)]) == 0
     rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["device_python"]["bitwise"] is True
+
+
+def test_device_torch_replay_is_selectable_stages_without_launching_from_the_host_step_and_ends_bitwise(
+    tmp_path,
+):
+    params, cfgs, states = bench.build(bench.RECORD, CPU)
+    path = bench.PATH_CLASSES["device_torch_replay"](params, cfgs, states, CPU, 65536)
+    assert path.opt._device_mode.replay_in_host_step is False
+    native = bench.PATH_CLASSES["device"](*bench.build(bench.RECORD, CPU), CPU, 65536)
+    assert native.opt._device_mode.replay_in_host_step is True
+    out = tmp_path / "torch_replay.json"
+    argv = ["--device", "cpu", "--record", "--paths", "per_param,device_torch_replay", "--reps", "2"]
+    assert bench.main([*argv, "--warmup", "1", "--profile-steps", "1", "--out", str(out)]) == 0
+    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["device_torch_replay"]["bitwise"] is True

@@ -3,6 +3,8 @@
 On the CPU the mode runs eagerly (Triton interpreter, gloo); the CUDA-graph tests are marked gpu.
 """
 
+import collections
+
 import numpy as np
 import pytest
 import torch
@@ -461,6 +463,59 @@ def test_cuda_graph_mode_equals_the_fused_path_bitwise_over_a_hundred_adam_steps
     for i, (a, b) in enumerate(zip(device.params, fused.params)):
         assert_bitwise(a, b, f"param {i}")
         assert_bitwise(device.param_states[i]["exp_avg_sq"], fused.param_states[i]["exp_avg_sq"], f"v {i}")
+
+
+class _CountingHost:
+    """A host step whose calls are counted (a C++ object takes no new attributes)."""
+
+    def __init__(self, host, counts):
+        self._host, self._counts = host, counts
+
+    def __getattr__(self, name):
+        call = getattr(self._host, name)
+
+        def counted(*args, **kwargs):
+            self._counts[name] += 1
+            return call(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host", HOSTS)
+@pytest.mark.parametrize("replay_in_host_step", [True, False], ids=["host_step_launches", "torch_replays"])
+def test_the_trusted_update_graph_is_launched_by_the_host_step_or_by_torch_with_the_same_bits(
+    monkeypatch, replay_in_host_step, host
+):
+    fused, device = _cuda_pair(seed=29, host=host)
+    mode = device._device_mode
+    mode.replay_in_host_step = replay_in_host_step
+    counts = collections.Counter()
+    mode.host = _CountingHost(mode.host, counts)
+    replay = torch.cuda.CUDAGraph.replay
+
+    def counted_replay(graph):
+        counts["torch_replay"] += 1
+        return replay(graph)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counted_replay)
+    gen = torch.Generator().manual_seed(30)
+    for step in range(40):
+        weights = [w.cuda() for w in _weights(fused.params, gen)]
+        _cuda_step(fused, weights, step % 2 == 1)
+        _cuda_step(device, weights, step % 2 == 1)
+    torch.cuda.synchronize()
+    # 20 Adam steps: the first stages its rows, runs eagerly, captures and replays once to check; the other 19
+    # launch the graph, from the host step's one call or from torch after stage_update.
+    assert counts["stage_and_replay"] == (19 if replay_in_host_step else 0)
+    assert counts["stage_update"] == (1 if replay_in_host_step else 20)
+    assert counts["torch_replay"] == (1 if replay_in_host_step else 20)
+    assert (
+        mode._fence.enqueued == 21 == mode._fence.arrived
+    )  # the first step signals eagerly and in its check
+    for i, (a, b) in enumerate(zip(device.params, fused.params)):
+        assert_bitwise(a, b, f"param {i}")
+        assert_bitwise(device.param_states[i]["exp_avg"], fused.param_states[i]["exp_avg"], f"m {i}")
 
 
 @pytest.mark.gpu

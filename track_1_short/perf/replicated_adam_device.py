@@ -176,6 +176,9 @@ class DeviceStep:
         self.reduce_graph = None
         self.update_graph = None
         self._update_exec = 0
+        # The host step launches the trusted update graph in the call that stages its rows (stage_and_replay);
+        # off, update() replays it through torch after stage_update (the bench's device_torch_replay path).
+        self.replay_in_host_step = True
         cuda_index = device.type == "cuda" and device.index is None
         self._device_index = torch.cuda.current_device() if cuda_index else (device.index or 0)
         self._pre_reduce: list[torch.Tensor] | None = None
@@ -231,7 +234,12 @@ class DeviceStep:
         this step's inputs and addresses, in one host-step call; once the update graph is trusted that call
         also launches it, unless a beta or eps changed. Returns (whether a beta or eps changed, whether the
         update graph was launched)."""
-        replay = self.use_graphs and self.graphs_trusted and self.update_graph is not None
+        replay = (
+            self.replay_in_host_step
+            and self.use_graphs
+            and self.graphs_trusted
+            and self.update_graph is not None
+        )
         if self.use_graphs:
             self._fence.wait()  # the last graph has copied both pinned rows
             if replay:
