@@ -96,7 +96,7 @@ PATHS = ("per_param", "fused", "device", "torch_adam")
 # host step in Python, and with its update graph replayed by torch after the host step.
 EXTRA_PATHS = ("device_split", "device_python", "device_torch_replay")
 SETS = ("record", "synthetic")
-# The device path's host step launches its graph through the driver (cuGraphLaunch), torch through the runtime.
+# The device path's host step launches its graph through the driver (cuGraphLaunch); torch uses the runtime.
 LAUNCH_CALLS = (
     "cudaLaunchKernel",
     "cuLaunchKernel",
