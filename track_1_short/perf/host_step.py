@@ -44,11 +44,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from track_1_short.perf.kernels.replicated_adam import STEP_INPUTS
+
 HOSTS = ("native", "python")
 # stage_update()'s answers other than the index of a gradient changed in place (the C++ module exports the
 # same two numbers).
 STATIC_SAME = -1  # rows written; every beta and eps as set_static() last set them
 STATIC_CHANGED = -2  # rows written; a beta or eps changed: the static data must be rebuilt
+_INPUT_ROWS = len(STEP_INPUTS)  # lr, lr_mul, weight_decay, wd_mul, step, active
 _SOURCE = Path(__file__).parent / "native" / "host_step.cpp"
 _lock = threading.Lock()
 _module = None
@@ -91,6 +94,28 @@ def native_module():
         return _module
 
 
+def _check_row_buffer(buffer: torch.Tensor, dtype: torch.dtype, rows: int, n: int, what: str) -> None:
+    """The native host step's check of a row buffer, with its message (check_row_buffer in host_step.cpp)."""
+    shape = (n,) if rows == 1 else (rows, n)
+    if (
+        buffer.device.type != "cpu"
+        or buffer.dtype != dtype
+        or not buffer.is_contiguous()
+        or buffer.shape != shape
+    ):
+
+        def name(t):  # c10's name of a dtype: Long, Double, Int, Float
+            return torch.empty(0, dtype=t).type().rsplit(".", 1)[-1].removesuffix("Tensor")
+
+        def sizes(dims):
+            return "[" + ", ".join(str(d) for d in dims) + "]"
+
+        raise ValueError(
+            f"{what}: expected a contiguous CPU tensor of {name(dtype)}, shape {sizes(shape)}, got "
+            f"{name(buffer.dtype)} {sizes(buffer.shape)} on {buffer.device}"
+        )
+
+
 class PythonHostStep:
     """The reference: HostStep's interface and results in Python (NumPy rows)."""
 
@@ -120,9 +145,11 @@ class PythonHostStep:
         return -1
 
     def write_addresses(self, row: torch.Tensor) -> None:
+        _check_row_buffer(row, torch.int64, 1, len(self.params), "write_addresses")
         row.numpy()[:] = self._addresses
 
     def write_inputs(self, rows: torch.Tensor) -> bool:
+        _check_row_buffer(rows, torch.float64, _INPUT_ROWS, len(self.params), "write_inputs")
         values = list(map(self._read_config, self.cfgs))
         for i, v in enumerate(values):
             if len(v[4]) != 2:
@@ -140,6 +167,9 @@ class PythonHostStep:
         return keys != self._static
 
     def stage_update(self, addresses_row: torch.Tensor, rows: torch.Tensor) -> int:
+        n = len(self.params)
+        _check_row_buffer(addresses_row, torch.int64, 1, n, "stage_update")  # both before anything is written
+        _check_row_buffer(rows, torch.float64, _INPUT_ROWS, n, "stage_update")
         bad = self.changed_in_place()
         if bad >= 0:
             return bad
