@@ -344,21 +344,20 @@ class DeviceStep:
             static_changed, replayed = self._stage_update()
         else:
             static_changed, replayed = self._write_inputs(), False
+        if static_changed:  # then nothing was launched
+            self._refresh_static()
         if replayed:  # the host step launched the update graph
             self._fence.count()
+        elif self.use_graphs and not self.graphs_trusted:
+            self._capture_and_check()
         else:
-            if static_changed:
-                self._refresh_static()
-            if self.use_graphs and not self.graphs_trusted:
-                self._capture_and_check()
+            for handle in self._handles:  # none when the reduce is a graph
+                handle.wait()
+            if self.update_graph is not None:
+                self.update_graph.replay()
+                self._fence.count()
             else:
-                for handle in self._handles:  # none when the reduce is a graph
-                    handle.wait()
-                if self.update_graph is not None:
-                    self.update_graph.replay()
-                    self._fence.count()
-                else:
-                    self._launch_step_kernels()
+                self._launch_step_kernels()
         # The held gradients go at zero_grad() or the next launch_reduce(), not here (one host call fewer per
         # step): nothing needs them after the replay just enqueued, since a block freed now is reused only
         # behind it on this stream.
