@@ -357,3 +357,54 @@ def test_device_torch_replay_is_selectable_stages_without_launching_from_the_hos
     assert bench.main([*argv, "--warmup", "1", "--profile-steps", "1", "--out", str(out)]) == 0
     rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["device_torch_replay"]["bitwise"] is True
+
+
+class _Answers:
+    """A host step whose stage_and_replay answers from a script (a launch only on STATIC_SAME)."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+
+    def stage_and_replay(self, *args):
+        return self.answers.pop(0)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_cuda_launches_count_the_host_steps_driver_launches_once_whether_or_not_the_profiler_traces_them(
+    fake_cuda, monkeypatch, traced
+):
+    from types import SimpleNamespace
+
+    from track_1_short.perf.host_step import STATIC_CHANGED, STATIC_SAME
+
+    # Three steps: a launch, a beta change (no launch: the caller captures again), a launch.
+    host = _Answers([STATIC_SAME, STATIC_CHANGED, STATIC_SAME])
+    mode = SimpleNamespace(host=host)
+    path = SimpleNamespace(opt=SimpleNamespace(_device_mode=mode))
+    launched = []
+
+    def runner():
+        answer = mode.host.stage_and_replay()
+        if traced and answer == STATIC_SAME:
+            launched.append("cuGraphLaunch")
+        launched.append("cudaLaunchKernel")  # one traced launch of the path's own per step
+
+    runner.path = path
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return [SimpleNamespace(name=n, device_type=None) for n in launched]
+
+    monkeypatch.setattr(bench.torch.profiler, "profile", Profile)
+    counts = bench.profile_counts(runner, 3, bench.torch.device("cuda"))
+    assert counts["launches"] == pytest.approx((3 + 2) / 3)  # 3 traced kernels, 2 graph launches
+    assert mode.host is host  # the counting wrapper is taken out again
