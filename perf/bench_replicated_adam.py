@@ -73,7 +73,7 @@ import numpy as np
 import torch
 
 from track_1_short.perf.graph_check import same_bits
-from track_1_short.perf.host_step import STATIC_SAME
+from track_1_short.perf.host_step import STATIC_SAME, InstrumentedHostStep
 
 # label, shape, dtype, betas, lr_mul, wd_mul: the record's replicated Adam tensors (upstream-optim notes 5).
 RECORD = [
@@ -584,38 +584,35 @@ def _outermost(evt, names=("triton_launch",)) -> bool:
     return True
 
 
-class _DriverLaunches:
-    """A device path's host step, counting the update-graph launches its ``stage_and_replay`` makes (answer
-    STATIC_SAME). The host step launches through the driver's cuGraphLaunch, which the profiler's trace of the
-    CUDA API leaves out (it reads 0 launches for that path), so the bench counts them here."""
-
-    def __init__(self, host):
-        self._host = host
-        self.count = 0
-
-    def stage_and_replay(self, *args):
-        answer = self._host.stage_and_replay(*args)
-        self.count += answer == STATIC_SAME
-        return answer
-
-    def __getattr__(self, name):
-        return getattr(self._host, name)
-
-
 @contextlib.contextmanager
 def _driver_launches(path):
-    """Count the device mode's driver launches while inside (a count that stays 0 without a device mode), and
-    put its host step back after."""
+    """Count the update-graph launches the device mode's host step makes (stage_and_replay answering
+    STATIC_SAME) while inside, in ``[count]`` (stays 0 without a device mode); put the host step back after.
+    The host step launches through the driver's cuGraphLaunch, which the profiler's trace of the CUDA API
+    leaves out (it reads 0 launches for that path), so the bench counts them here."""
+    counted = [0]
     mode = getattr(getattr(path, "opt", None), "_device_mode", None)
     if mode is None:
-        yield _DriverLaunches(None)
+        yield counted
         return
-    counter = _DriverLaunches(mode.host)
-    mode.host = counter
+
+    def wrap(name, call):
+        if name != "stage_and_replay":
+            return call
+
+        def launch(*args):
+            answer = call(*args)
+            counted[0] += answer == STATIC_SAME
+            return answer
+
+        return launch
+
+    host = mode.host
+    mode.host = InstrumentedHostStep(host, wrap)
     try:
-        yield counter
+        yield counted
     finally:
-        mode.host = counter._host
+        mode.host = host
 
 
 def profile_counts(runner: Runner, count: int, device) -> dict:
@@ -636,7 +633,7 @@ def profile_counts(runner: Runner, count: int, device) -> dict:
         gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         launches = sum(1 for e in events if e.name.startswith(LAUNCH_CALLS))
         if not any(e.name.startswith("cuGraphLaunch") for e in events):
-            launches += driver.count  # untraced: counted by the host step's wrapper
+            launches += driver[0]  # untraced: counted by the host step's wrapper
         return {"launches": launches / count, "kernels": len(gpu) / count}
     aten = sum(
         1 for e in events if e.name.startswith("aten::") and e.name not in NO_KERNEL_OPS and _outermost(e)

@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_replicated_adam as bench  # noqa: E402 - the sibling script, importable from its own folder
 
 from track_1_short.perf.graph_check import same_bits  # noqa: E402
+from track_1_short.perf.host_step import InstrumentedHostStep  # noqa: E402
 from track_1_short.perf.replicated_adam import SCALAR_TABLE_SLOTS  # noqa: E402
 
 PATHS = ("fused", "device", "device_python")
@@ -88,31 +89,10 @@ class _TimedGraph:
         self.replay = clock.wrap(name, graph.replay)
 
 
-class _TimedHost:
-    """A host step with a clock around each of its per-step calls (a C++ object takes no new attributes)."""
-
-    CALLS = (
-        "read_gradients",
-        "stage_update",
-        "stage_and_replay",
-        "write_addresses",
-        "write_inputs",
-        "drop_gradients",
-    )
-
-    def __init__(self, host, clock: Clock):
-        self._host = host
-        for name in self.CALLS:
-            setattr(self, name, clock.wrap(name, getattr(host, name)))
-
-    def __getattr__(self, name):
-        return getattr(self._host, name)
-
-
 def instrument_device(opt, clock: Clock) -> None:
     """Clocks around the device path's inner calls (its graphs must be captured: run a few steps first)."""
     step = opt._device_mode
-    step.host = _TimedHost(step.host, clock)
+    step.host = InstrumentedHostStep(step.host, clock.wrap)
     if step.use_graphs:
         step._fence.wait = clock.wrap("fence_wait", step._fence.wait)
         if step.gather_graph is not None:

@@ -175,6 +175,34 @@ def test_rows_hold_each_config_value_the_step_counter_and_the_arrivals(host_name
 
 
 @pytest.mark.parametrize("host_name", hs.HOSTS)
+def test_an_instrumented_host_step_sends_only_the_per_step_calls_through_the_wrap_with_the_hosts_answers(
+    host_name,
+):
+    params, cfgs, states = _inventory(seed=31)
+    host = hs.host_step(params, cfgs, states, host_name)
+    seen = []
+
+    def wrap(name, call):
+        def traced(*args):
+            seen.append(name)
+            return call(*args)
+
+        return traced
+
+    instrumented = hs.InstrumentedHostStep(host, wrap)
+    _set_grads(params, torch.Generator().manual_seed(32), present={1, 4})
+    assert instrumented.read_gradients() == -1
+    instrumented.set_static([(c.adam_betas[0], c.adam_betas[1], c.eps) for c in cfgs])  # not per step
+    rows = _rows()
+    assert instrumented.write_inputs(rows) is False
+    assert rows[5].tolist() == [float(i in {1, 4}) for i in range(N)]  # the host's own rows
+    assert instrumented.arrived() == [i in {1, 4} for i in range(N)]  # forwarded, not wrapped
+    instrumented.drop_gradients()
+    assert all(p.grad is None for p in params) and host.arrived() == [False] * N
+    assert seen == ["read_gradients", "write_inputs", "drop_gradients"]
+
+
+@pytest.mark.parametrize("host_name", hs.HOSTS)
 def test_a_non_contiguous_gradient_is_named_and_nothing_is_noted(host_name):
     host, params, cfgs, states = _read_all(host_name, seed=4)
     before = host.addresses()

@@ -368,6 +368,9 @@ class _Answers:
     def stage_and_replay(self, *args):
         return self.answers.pop(0)
 
+    def __getattr__(self, name):  # the other per-step calls: not made here
+        return lambda *args: None
+
 
 @pytest.mark.parametrize("traced", [False, True])
 def test_cuda_launches_count_the_host_steps_driver_launches_once_whether_or_not_the_profiler_traces_them(

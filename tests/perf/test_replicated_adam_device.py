@@ -23,7 +23,7 @@ from tests.perf.replicated_adam_cases import (
 from track_1_short import distributed
 from track_1_short.optim.adam import first_moment_correction, second_moment_correction
 from track_1_short.perf import replicated_adam_device as dev
-from track_1_short.perf.host_step import HOSTS
+from track_1_short.perf.host_step import HOSTS, InstrumentedHostStep
 from track_1_short.perf.kernels import replicated_adam as kernels
 from track_1_short.perf.replicated_adam import (
     ReplicatedAdam,
@@ -465,20 +465,17 @@ def test_cuda_graph_mode_equals_the_fused_path_bitwise_over_a_hundred_adam_steps
         assert_bitwise(device.param_states[i]["exp_avg_sq"], fused.param_states[i]["exp_avg_sq"], f"v {i}")
 
 
-class _CountingHost:
-    """A host step whose calls are counted (a C++ object takes no new attributes)."""
+def _counting(counts):
+    """An InstrumentedHostStep wrap that counts each per-step call by name."""
 
-    def __init__(self, host, counts):
-        self._host, self._counts = host, counts
-
-    def __getattr__(self, name):
-        call = getattr(self._host, name)
-
+    def wrap(name, call):
         def counted(*args, **kwargs):
-            self._counts[name] += 1
+            counts[name] += 1
             return call(*args, **kwargs)
 
         return counted
+
+    return wrap
 
 
 @pytest.mark.gpu
@@ -491,7 +488,7 @@ def test_the_trusted_update_graph_is_launched_by_the_host_step_or_by_torch_with_
     mode = device._device_mode
     mode.replay_in_host_step = replay_in_host_step
     counts = collections.Counter()
-    mode.host = _CountingHost(mode.host, counts)
+    mode.host = InstrumentedHostStep(mode.host, _counting(counts))
     replay = torch.cuda.CUDAGraph.replay
 
     def counted_replay(graph):
