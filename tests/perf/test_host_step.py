@@ -326,9 +326,8 @@ def test_stage_and_replay_refuses_a_missing_graph_or_driver_before_anything_is_w
     rows, addresses = _rows(), torch.full((N,), -5, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"graph_exec is 0; pass CUDAGraph\.raw_cuda_graph_exec\(\)"):
         host.stage_and_replay(addresses, rows, 0, 0)
-    if (
-        not _libcuda_loads()
-    ):  # a machine without the CUDA driver (CPU CI): the driver is named, nothing written
+    # On a machine without the CUDA driver (CPU CI): the driver is named, nothing written.
+    if not _libcuda_loads():
         with pytest.raises(RuntimeError, match=r"libcuda\.so\.1"):
             host.stage_and_replay(addresses, rows, 12345, 0)
     assert (rows == -7.0).all() and (addresses == -5).all()

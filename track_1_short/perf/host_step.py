@@ -34,6 +34,7 @@ THPVariable_Unpack is what torch's own C++ bindings do.
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import shutil
@@ -234,25 +235,21 @@ class InstrumentedHostStep:
         return getattr(self.host, name)
 
 
-_graph_launch_fn = None
-
-
+@functools.cache
 def _graph_launch():
-    """The CUDA driver's cuGraphLaunch(graph_exec, stream) through ctypes (the reference's replay)."""
-    global _graph_launch_fn
-    if _graph_launch_fn is None:
-        import ctypes
+    """The CUDA driver's cuGraphLaunch(graph_exec, stream) through ctypes (the reference's replay); looked up
+    once (a failed lookup raises and is tried again next time)."""
+    import ctypes
 
-        try:
-            function = ctypes.CDLL("libcuda.so.1").cuGraphLaunch
-        except (OSError, AttributeError) as error:
-            raise RuntimeError(
-                f"replay: the CUDA driver (libcuda.so.1, cuGraphLaunch) could not be loaded: {error}"
-            ) from error
-        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        function.restype = ctypes.c_int
-        _graph_launch_fn = function
-    return _graph_launch_fn
+    try:
+        function = ctypes.CDLL("libcuda.so.1").cuGraphLaunch
+    except (OSError, AttributeError) as error:
+        raise RuntimeError(
+            f"replay: the CUDA driver (libcuda.so.1, cuGraphLaunch) could not be loaded: {error}"
+        ) from error
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    function.restype = ctypes.c_int
+    return function
 
 
 def host_step(params, cfgs, states, host: str = "native"):

@@ -179,8 +179,9 @@ class DeviceStep:
         # The host step launches the trusted update graph in the call that stages its rows (stage_and_replay);
         # off, update() replays it through torch after stage_update (the bench's device_torch_replay path).
         self.replay_in_host_step = True
-        cuda_index = device.type == "cuda" and device.index is None
-        self._device_index = torch.cuda.current_device() if cuda_index else (device.index or 0)
+        # The CUDA device whose current stream the host step launches on ("cuda" alone: the current one).
+        current = device.type == "cuda" and device.index is None
+        self._device_index = torch.cuda.current_device() if current else (device.index or 0)
         self._pre_reduce: list[torch.Tensor] | None = None
 
     # ---- static data --------------------------------------------------------------------------------------
