@@ -19,7 +19,13 @@ elements, bf16 and fp32, three beta pairs). Paths, each from the same initial va
 - ``device_split`` (only when named in ``--paths``): ``device`` laid out as with several processes, the
   gather replayed in launch_reduce() and the update in update(), where one process has one replay per step;
 - ``device_python`` (only when named in ``--paths``): ``device`` with the Python reference of its per-step
-  host work (``host="python"``, perf/host_step.py) where ``device`` runs the C++ one.
+  host work (``host="python"``, perf/host_step.py) where ``device`` runs the C++ one;
+- ``device_torch_replay`` (only when named): ``device`` with its update graph replayed by torch after the
+  host step has staged the rows, where ``device`` launches it from the host step;
+- two floors (only when named; they update nothing, so they are timed, never compared):
+  ``device_fence_graph``, ``device`` with its update graph swapped for the fence signal alone (what the
+  graph's content costs the host: the most any change inside it can save), and ``device_floor``, the least
+  any device-mode step can do with one process (take the gradients, one graph launch from C++, drop them).
 
 Method. One repetition of a path is its whole training-step share: one backward that delivers precomputed
 gradients (a new scale each step) as fresh tensors, the way a model's backward does (whatever a path hooks
@@ -94,8 +100,8 @@ RECORD = [
 ADAM_LR, ADAM_EPS, ADAM_WD = 0.008, 1e-10, 0.005  # the record's Adam settings
 PATHS = ("per_param", "fused", "device", "torch_adam")
 # Selectable with --paths, not run by default: the device path laid out as with several processes, with its
-# host step in Python, and with its update graph replayed by torch after the host step.
-EXTRA_PATHS = ("device_split", "device_python", "device_torch_replay")
+# host step in Python, with its update graph replayed by torch after the host step; and two floors under it.
+EXTRA_PATHS = ("device_split", "device_python", "device_torch_replay", "device_fence_graph", "device_floor")
 SETS = ("record", "synthetic")
 # The device path's host step launches its graph through the driver (cuGraphLaunch); torch uses the runtime.
 LAUNCH_CALLS = (
@@ -262,6 +268,92 @@ class DeviceTorchReplay(Device):
         self.opt._device_mode.replay_in_host_step = False
 
 
+class DeviceFenceGraph(Device):
+    """impl="device" with its update graph swapped, once trusted, for a graph that holds only the fence signal
+    (a counter increment and its copy into pinned memory): the host step, its launch and the fence are the
+    device path's, the graph's other five nodes (two uploads, the gather, the table and Adam) are gone. What
+    the update graph's content costs the host, so the most that any change inside the graph (fewer nodes, one
+    kernel) can save there. After the swap it updates nothing: timed, never compared. Without CUDA graphs (the
+    CPU) there is nothing to swap and it runs as ``device``."""
+
+    def __init__(self, params, cfgs, states, device, block):
+        super().__init__(params, cfgs, states, device, block)
+        self.swapped_graph: torch.cuda.CUDAGraph | None = None
+
+    def _swap_once_trusted(self) -> None:
+        mode = self.opt._device_mode
+        if self.swapped_graph is not None or not mode.graphs_trusted:
+            return
+        torch.cuda.synchronize(self.opt.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            mode._fence.signal()  # what update() counts after each launch: the protocol stays whole
+        mode.update_graph, mode._update_exec = graph, graph.raw_cuda_graph_exec()
+        self.swapped_graph = graph
+
+    def _launch_reduce(self) -> None:
+        self._swap_once_trusted()  # an attribute test per step once swapped (well under a microsecond)
+        self.opt.launch_reduce()
+
+    def step(self) -> None:
+        self._launch_reduce()
+        self.opt.update()
+        self.opt.zero_grad()
+
+    def step_phases(self) -> list[tuple[str, Callable[[], None]]]:
+        return [("launch_reduce", self._launch_reduce), *super().step_phases()[1:]]
+
+
+class DeviceFloor:
+    """Not an optimizer: the least host work of a device-mode step with one process, a floor under ``device``.
+
+    Each public call does only what no such step can skip: launch_reduce takes this step's gradients (the C++
+    host step's read_gradients: each .grad held, its address noted), update makes the one CUDA call (the host
+    step's replay of a graph of one kernel, through the driver as stage_and_replay launches), zero_grad drops
+    the gradients (drop_gradients). It reads no config, counts no step, writes no row and waits on no fence;
+    it updates nothing: timed, never compared. Off CUDA the call is one tensor op, as a smoke."""
+
+    def __init__(self, params, cfgs, states, device, block):
+        from track_1_short.perf.host_step import host_step
+
+        self.host = host_step(params, cfgs, states, "native")
+        self.count = torch.zeros(1, dtype=torch.int64, device=device)
+        self.launched = (
+            0  # driver launches made (the profiler does not trace them; profile_counts reads this)
+        )
+        self.graph, self.graph_exec, self.device_index = None, 0, 0
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.count.add_(1)
+            self.graph_exec = self.graph.raw_cuda_graph_exec()
+            self.device_index = torch.cuda.current_device() if device.index is None else device.index
+
+    def launch_reduce(self) -> None:
+        bad = self.host.read_gradients()
+        if bad >= 0:
+            raise ValueError(f"device_floor: parameter {bad}'s .grad is not contiguous")
+
+    def update(self) -> None:
+        if self.graph_exec:
+            self.host.replay(self.graph_exec, self.device_index)
+            self.launched += 1
+        else:
+            self.count.add_(1)
+
+    def zero_grad(self) -> None:
+        self.host.drop_gradients()
+
+    def step(self) -> None:
+        self.launch_reduce()
+        self.update()
+        self.zero_grad()
+
+    def step_phases(self) -> list[tuple[str, Callable[[], None]]]:
+        return [("launch_reduce", self.launch_reduce), ("update", self.update), ("zero_grad", self.zero_grad)]
+
+
 class TorchAdam:
     def __init__(self, params, cfgs, states, device, block):
         self.params, self.cfgs = params, cfgs
@@ -311,6 +403,8 @@ PATH_CLASSES = {
     "device_split": DeviceSplit,
     "device_python": DevicePython,
     "device_torch_replay": DeviceTorchReplay,
+    "device_fence_graph": DeviceFenceGraph,
+    "device_floor": DeviceFloor,
 }
 
 
@@ -587,13 +681,17 @@ def _outermost(evt, names=("triton_launch",)) -> bool:
 @contextlib.contextmanager
 def _driver_launches(path):
     """Count the update-graph launches the device mode's host step makes (stage_and_replay answering
-    STATIC_SAME) while inside, in ``[count]`` (stays 0 without a device mode); put the host step back after.
+    STATIC_SAME) while inside, in ``[count]`` (device_floor: the launches it counted itself; 0 for a path that
+    has neither); put the host step back after.
     The host step launches through the driver's cuGraphLaunch, which the profiler's trace of the CUDA API
     leaves out (it reads 0 launches for that path), so the bench counts them here."""
     counted = [0]
     mode = getattr(getattr(path, "opt", None), "_device_mode", None)
     if mode is None:
+        before = getattr(path, "launched", None)  # device_floor counts its own driver launches
         yield counted
+        if before is not None:
+            counted[0] = path.launched - before
         return
 
     def wrap(name, call):
@@ -650,7 +748,8 @@ def _spread_us(samples: np.ndarray) -> list[float]:
 
 
 BASELINE = "backward_only"
-NOT_COMPARED = ("torch_adam",)  # other arithmetic: timed, not compared bit for bit
+# Timed, not compared bit for bit: other arithmetic (torch_adam), or no update at all (the floors).
+NOT_COMPARED = ("torch_adam", "device_fence_graph", "device_floor")
 
 
 def measure_set(

@@ -334,6 +334,42 @@ def test_stage_and_replay_refuses_a_missing_graph_or_driver_before_anything_is_w
     assert [s["step"] for s in states] == [3 * i for i in range(N)]
 
 
+@pytest.mark.parametrize("host_name", hs.HOSTS)
+def test_replay_refuses_a_missing_graph_or_driver_and_touches_no_gradient(host_name):
+    host, params, _, _ = _read_all(host_name, seed=21)
+    addresses = host.addresses()
+    with pytest.raises(ValueError, match=r"replay: graph_exec is 0; pass CUDAGraph\.raw_cuda_graph_exec\(\)"):
+        host.replay(0, 0)
+    if not _libcuda_loads():
+        with pytest.raises(RuntimeError, match=r"libcuda\.so\.1"):
+            host.replay(12345, 0)
+    assert host.addresses() == addresses == [p.grad.data_ptr() for p in params]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host_name", hs.HOSTS)
+def test_replay_launches_the_graph_once_per_call_on_the_current_stream(host_name):
+    params, cfgs, states = _inventory(seed=22)
+    host = hs.host_step(params, cfgs, states, host_name)
+    launches = torch.zeros(1, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launches.add_(1)
+    torch.cuda.synchronize()
+    base = launches.item()
+    torch.cuda._sleep(100_000_000)  # the default stream stays busy: a launch queued behind it has not run
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            host.replay(graph.raw_cuda_graph_exec(), torch.cuda.current_device())
+        stream.synchronize()
+        seen = launches.to("cpu").item()  # copied on the side stream: no wait for the default one
+    assert seen == base + 3
+    torch.cuda.synchronize()
+    assert launches.item() == base + 3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("host_name", hs.HOSTS)
 def test_stage_and_replay_launches_the_graph_only_when_the_rows_were_written_with_the_same_statics(host_name):

@@ -411,3 +411,83 @@ def test_cuda_launches_count_the_host_steps_driver_launches_once_whether_or_not_
     counts = bench.profile_counts(runner, 3, bench.torch.device("cuda"))
     assert counts["launches"] == pytest.approx((3 + 2) / 3)  # 3 traced kernels, 2 graph launches
     assert mode.host is host  # the counting wrapper is taken out again
+
+
+def _runner(name, device):
+    params, cfgs, states = bench.build(bench.RECORD, device)
+    path = bench.PATH_CLASSES[name](params, cfgs, states, device, 65536 if device.type == "cpu" else 1024)
+    return bench.Runner(path, params, bench.Gradients(params)), params, states
+
+
+def test_device_floor_takes_the_gradients_makes_one_call_drops_them_and_is_never_compared(tmp_path):
+    runner, params, _ = _runner("device_floor", CPU)
+    before = [p.detach().clone() for p in params]
+    runner.backward()
+    grads = [p.grad for p in params]
+    runner.path.launch_reduce()
+    assert runner.path.host.addresses() == [g.data_ptr() for g in grads]
+    runner.path.update()
+    runner.path.zero_grad()
+    assert all(p.grad is None for p in params)
+    assert runner.path.count.item() == 1  # off CUDA: one op where a GPU makes its one launch
+    assert all(torch.equal(p, b) for p, b in zip(params, before))  # it updates nothing
+
+    out = tmp_path / "floor.json"
+    argv = ["--device", "cpu", "--record", "--paths", "per_param,device_floor", "--reps", "2"]
+    assert bench.main([*argv, "--warmup", "1", "--profile-steps", "1", "--out", str(out)]) == 0
+    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["device_floor"]["bitwise"] is None and rows["per_param"]["bitwise"] is True
+    assert rows["device_floor"]["launches"] == 1
+
+
+def test_device_fence_graph_runs_as_device_without_graphs_and_is_never_compared(tmp_path):
+    runner, params, _ = _runner("device_fence_graph", CPU)
+    reference, ref_params, _ = _runner("device", CPU)
+    for _ in range(2):
+        runner()
+        reference()
+    assert runner.path.swapped_graph is None  # no CUDA graphs on the CPU: nothing to swap
+    assert all(bench.same_bits(p, q) for p, q in zip(params, ref_params))
+    out = tmp_path / "fence_graph.json"
+    argv = ["--device", "cpu", "--record", "--paths", "per_param,device_fence_graph", "--reps", "2"]
+    assert bench.main([*argv, "--warmup", "1", "--profile-steps", "1", "--out", str(out)]) == 0
+    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["device_fence_graph"]["bitwise"] is None
+
+
+@pytest.mark.gpu
+def test_device_fence_graph_swaps_in_the_fence_signal_once_trusted_then_moves_nothing_and_keeps_the_fence():
+    cuda = torch.device("cuda")
+    runner, params, states = _runner("device_fence_graph", cuda)
+    mode = runner.path.opt._device_mode
+    runner()
+    assert mode.graphs_trusted and runner.path.swapped_graph is None  # swapped at the next launch_reduce
+    torch.cuda.synchronize()
+    before = [p.detach().clone() for p in params] + [s["exp_avg"].clone() for s in states]
+    for _ in range(4):
+        runner()
+    torch.cuda.synchronize()
+    assert runner.path.swapped_graph is not None
+    after = [p.detach() for p in params] + [s["exp_avg"] for s in states]
+    assert all(bench.same_bits(a, b) for a, b in zip(after, before))
+    assert mode._fence.arrived == mode._fence.enqueued  # each launch of the swapped graph signalled
+
+
+@pytest.mark.gpu
+def test_device_floor_launches_its_one_kernel_graph_once_per_step_and_counts_it():
+    cuda = torch.device("cuda")
+    runner, params, _ = _runner("device_floor", cuda)
+    for _ in range(4):
+        runner()
+    torch.cuda.synchronize()
+    assert runner.path.count.item() == 4 and runner.path.launched == 4
+    assert all(p.grad is None for p in params)
+    params_b, cfgs_b, states_b = bench.build(bench.RECORD, cuda)
+    baseline = bench.Runner(
+        bench.BackwardOnly(params_b, cfgs_b, states_b, cuda, 1024), params_b, bench.Gradients(params_b)
+    )
+    counts = bench.profile_counts(runner, 3, cuda)
+    base_counts = bench.profile_counts(baseline, 3, cuda)
+    # One driver launch per step over the backward's own (untraced by the profiler: the path counts it).
+    assert counts["launches"] - base_counts["launches"] == pytest.approx(1.0)
+    assert runner.path.count.item() == 7

@@ -14,8 +14,10 @@ Why it is faster: ``native/host_step.cpp`` does the same loop over TensorImpls (
 const_data_ptr(), _version()) and reads configs through the C API into doubles written straight into the
 rows: one call per public step (launch_reduce: ``read_gradients``; update, with one process:
 ``stage_and_replay``, which also launches the update graph through the CUDA driver, or ``stage_update`` while
-that graph is not yet trusted; zero_grad: ``drop_gradients``), no per-value Python objects. It is built once
-per machine by torch.utils.cpp_extension (a C++ compiler and ninja; cached under TORCH_EXTENSIONS_DIR).
+that graph is not yet trusted; zero_grad: ``drop_gradients``), no per-value Python objects; ``replay``
+launches a graph and does nothing else (the floor of a device step in perf/bench_replicated_adam.py).
+It is built once per machine by torch.utils.cpp_extension (a C++ compiler and ninja; cached under
+TORCH_EXTENSIONS_DIR).
 
 Invariants (tests/perf/test_host_step.py, against PythonHostStep on the same inputs; the device mode's bitwise
 tests run on the native host):
@@ -189,6 +191,13 @@ class PythonHostStep:
             if result != 0:
                 raise RuntimeError(f"replay: cuGraphLaunch failed with CUDA error {result}")
         return answer
+
+    def replay(self, graph_exec: int, device_index: int) -> None:
+        if graph_exec == 0:
+            raise ValueError("replay: graph_exec is 0; pass CUDAGraph.raw_cuda_graph_exec()")
+        result = _graph_launch()(graph_exec, torch.cuda.current_stream(device_index).cuda_stream)
+        if result != 0:
+            raise RuntimeError(f"replay: cuGraphLaunch failed with CUDA error {result}")
 
     def drop_gradients(self) -> None:
         self.release()

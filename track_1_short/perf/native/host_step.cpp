@@ -269,6 +269,16 @@ class HostStep {
     return answer;
   }
 
+  // Launch a graph on the current stream of CUDA device `device_index` and do nothing else: the one CUDA call
+  // of a device step without its host work (perf/bench_replicated_adam.py's device_floor path times it).
+  void replay(int64_t graph_exec, int64_t device_index) {
+    if (graph_exec == 0) {
+      throw py::value_error("replay: graph_exec is 0; pass CUDAGraph.raw_cuda_graph_exec()");
+    }
+    const Driver& d = driver();
+    launch_graph(d, graph_exec, current_stream(device_index));
+  }
+
   // zero_grad(): every parameter's .grad = None, and the held gradients released.
   void drop_gradients() {
     release();
@@ -334,6 +344,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stage_update", &HostStep::stage_update, py::arg("addresses_row"), py::arg("rows"))
       .def("stage_and_replay", &HostStep::stage_and_replay, py::arg("addresses_row"), py::arg("rows"),
            py::arg("graph_exec"), py::arg("device_index"))
+      .def("replay", &HostStep::replay, py::arg("graph_exec"), py::arg("device_index"))
       .def("drop_gradients", &HostStep::drop_gradients)
       .def("release", &HostStep::release)
       .def("arrived", &HostStep::arrived)
