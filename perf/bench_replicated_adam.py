@@ -55,6 +55,14 @@ interleaved_samples). Columns:
 - ``speedup``, ``vs_fused``: per_param's (fused's) host step cost over this path's;
 - ``bitwise``: after the run, parameters and moments equal the per_param path's bit for bit.
 
+``--hand-over`` records a CUDA event right after the backward in every repetition, the baseline's too,
+inside the host clock. Without it the backward's hand-over falls on a path's first CUDA call after the
+backward, or on the baseline's closing event after it has dropped the gradients (by when part of the
+hand-over is over). In the trainer AnvilAndAdam's Phase 1 (the banks' and tables' reduce-scatters, copies
+with one process) makes CUDA calls before the replicated update, so the replicated paths never pay it there.
+With it every path pays the same call at the same point, and a path's cost is what its own calls add in the
+trainer's order. Both are reported; the default stays as it was.
+
 ``--phases`` adds a table: each path's host time per phase of a repetition (the backward, then
 ReplicatedAdam's launch_reduce, update and zero_grad, or the whole step), the median of as many
 more repetitions as rounds, nothing subtracted: where a path's step cost goes, not what it costs.
@@ -429,11 +437,13 @@ class Runner:
     """One repetition of a path: the backward (anything the path hooks into it runs in it), the Adam step.
 
     ``prepare()`` builds the repetition's forward graph; the timing loops call it before they start the
-    clock, and a repetition that finds none prepared builds its own.
+    clock, and a repetition that finds none prepared builds its own. ``hand_over``, when given, is called
+    right after the backward, before the path's step (``--hand-over``): the same call in every runner.
     """
 
-    def __init__(self, path, params, grads: Gradients):
+    def __init__(self, path, params, grads: Gradients, hand_over: Callable[[], None] | None = None):
         self.path, self.params, self.grads = path, params, grads
+        self.hand_over = hand_over
         self.step = 0  # indexes the gradient sets: every path sees the same sequence
         self._outputs: list[torch.Tensor] | None = None
 
@@ -448,6 +458,8 @@ class Runner:
 
     def __call__(self) -> None:
         self.backward()
+        if self.hand_over is not None:
+            self.hand_over()
         self.path.step()
         self.step += 1
 
@@ -468,13 +480,16 @@ def collector_off():
 def phase_times(runner: Runner, count: int, device: torch.device) -> list[dict]:
     """Host microseconds of each phase of a repetition, the median of ``count`` (one row per phase).
 
-    Phases: "backward" (whatever the path hooks into it included), then the path's step as
+    Phases: "backward" (whatever the path hooks into it included), "hand_over" with ``--hand-over``, then the
+    path's step as
     its public calls where it has step_phases() (ReplicatedAdam: launch_reduce, update, zero_grad), else
     "step", then on CUDA "event", the event that closes a repetition in interleaved_samples.
     Each repetition starts on an idle queue, as in interleaved_samples; no baseline is subtracted.
     """
     path = runner.path
     step = getattr(path, "step_phases", lambda: [("step", path.step)])()
+    if runner.hand_over is not None:
+        step = [("hand_over", runner.hand_over), *step]
     if device.type == "cuda":
         event = torch.cuda.Event()
         step = [*step, ("event", event.record)]
@@ -752,20 +767,42 @@ BASELINE = "backward_only"
 NOT_COMPARED = ("torch_adam", "device_fence_graph", "device_floor")
 
 
+def hand_over_call(device: torch.device) -> Callable[[], None]:
+    """What ``--hand-over`` calls right after each backward: a CUDA event recorded (nothing off CUDA)."""
+    if device.type != "cuda":
+        return lambda: None
+    return torch.cuda.Event().record
+
+
 def measure_set(
-    name, spec, paths, device, reps, warmup, profile_steps, block, classes=None, seed=0, phases=None
+    name,
+    spec,
+    paths,
+    device,
+    reps,
+    warmup,
+    profile_steps,
+    block,
+    classes=None,
+    seed=0,
+    phases=None,
+    hand_over=False,
 ) -> list[dict]:
     """The ``backward_only`` row, then one row per path of ``paths`` (classes: name -> path class).
 
     With ``phases`` (a dict), each runner's phase_times over ``reps`` more repetitions go into it, keyed by
-    path, after the interleaved samples and the profile (so neither sees them)."""
+    path, after the interleaved samples and the profile (so neither sees them). With ``hand_over`` every
+    runner, the baseline's too, makes hand_over_call(device) right after its backward."""
     classes = {BASELINE: BackwardOnly, **PATH_CLASSES} if classes is None else classes
     names = [BASELINE, *paths]
     runners, finals = {}, {}
     for path_name in names:
         params, cfgs, states = build(spec, device)
         runners[path_name] = Runner(
-            classes[path_name](params, cfgs, states, device, block), params, Gradients(params)
+            classes[path_name](params, cfgs, states, device, block),
+            params,
+            Gradients(params),
+            hand_over_call(device) if hand_over else None,
         )
         finals[path_name] = (params, states)
         run_steps(runners[path_name], warmup, device)
@@ -907,6 +944,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time each phase of a repetition (backward, and the step's public calls), per path",
     )
+    parser.add_argument(
+        "--hand-over",
+        action="store_true",
+        help="record a CUDA event right after each backward in every path and the baseline: the trainer's "
+        "order, where AnvilAndAdam's reduce-scatters make CUDA calls before the replicated update",
+    )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args(argv)
 
@@ -948,7 +991,17 @@ def main(argv: list[str] | None = None) -> int:
         spec = RECORD if name == "record" else synthetic_set()
         per_path: dict[str, list[dict]] | None = {} if args.phases else None
         rows += measure_set(
-            name, spec, paths, device, reps, warmup, profile_steps, block, seed=args.seed, phases=per_path
+            name,
+            spec,
+            paths,
+            device,
+            reps,
+            warmup,
+            profile_steps,
+            block,
+            seed=args.seed,
+            phases=per_path,
+            hand_over=args.hand_over,
         )
         if per_path:
             title = f"{name} set: host us per phase of a repetition (median of {reps}; nothing subtracted)"
@@ -971,6 +1024,7 @@ def main(argv: list[str] | None = None) -> int:
                 "title": "Replicated Adam per Adam step",
                 "world_size": distributed.world_size(),
                 "rounds": reps,
+                "hand_over": args.hand_over,
                 "rows": rows,
                 **({"tables": tables} if tables else {}),
                 "notes": [
@@ -989,6 +1043,14 @@ def main(argv: list[str] | None = None) -> int:
                     "them.",
                     "bitwise: parameters and moments after warmup + timed + profiled steps equal the "
                     "per_param path's bit for bit.",
+                    *(
+                        [
+                            "--hand-over: every repetition, the baseline's too, recorded a CUDA event right "
+                            "after its backward (the trainer's order: the reduce-scatters call CUDA first)."
+                        ]
+                        if args.hand_over
+                        else []
+                    ),
                 ],
             }
             write_bench_json(args.out, payload)

@@ -491,3 +491,42 @@ def test_device_floor_launches_its_one_kernel_graph_once_per_step_and_counts_it(
     # One driver launch per step over the backward's own (untraced by the profiler: the path counts it).
     assert counts["launches"] - base_counts["launches"] == pytest.approx(1.0)
     assert runner.path.count.item() == 7
+
+
+def test_hand_over_runs_after_the_backward_and_before_the_step_and_gets_its_own_phase():
+    params, cfgs, states = bench.build(bench.RECORD, CPU)
+    order = []
+
+    class Recording(bench.BackwardOnly):
+        def step(self):
+            order.append("step")
+            super().step()
+
+    def hand_over():
+        assert all(p.grad is not None for p in params)  # the backward has delivered every gradient
+        order.append("hand_over")
+        time.sleep(0.02)
+
+    runner = bench.Runner(
+        Recording(params, cfgs, states, CPU, 65536), params, bench.Gradients(params), hand_over
+    )
+    runner()
+    assert order == ["hand_over", "step"]
+    rows = {r["phase"]: r["host_us"] for r in bench.phase_times(runner, 3, CPU)}
+    assert list(rows) == ["backward", "hand_over", "step"]
+    assert rows["hand_over"] >= 20_000 > rows["step"]
+
+
+@pytest.mark.parametrize("hand_over", [False, True])
+def test_hand_over_flag_gives_every_runner_the_baseline_too_the_same_call(tmp_path, monkeypatch, hand_over):
+    calls = []
+    monkeypatch.setattr(bench, "hand_over_call", lambda device: lambda: calls.append(device))
+    out = tmp_path / "hand_over.json"
+    argv = ["--device", "cpu", "--record", "--paths", "device", "--reps", "2", "--warmup", "1"]
+    argv += ["--profile-steps", "1", "--out", str(out)] + (["--hand-over"] if hand_over else [])
+    assert bench.main(argv) == 0
+    # Two runners (backward_only, device), each: 1 warmup + 2 timed + 1 profiled repetitions.
+    assert calls == ([CPU] * 8 if hand_over else [])
+    payload = json.loads(out.read_text())
+    assert payload["hand_over"] is hand_over
+    assert any("--hand-over" in note for note in payload["notes"]) is hand_over
