@@ -990,19 +990,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in sets:
         spec = RECORD if name == "record" else synthetic_set()
         per_path: dict[str, list[dict]] | None = {} if args.phases else None
-        rows += measure_set(
-            name,
-            spec,
-            paths,
-            device,
-            reps,
-            warmup,
-            profile_steps,
-            block,
-            seed=args.seed,
-            phases=per_path,
-            hand_over=args.hand_over,
-        )
+        options = {"seed": args.seed, "phases": per_path, "hand_over": args.hand_over}
+        rows += measure_set(name, spec, paths, device, reps, warmup, profile_steps, block, **options)
         if per_path:
             title = f"{name} set: host us per phase of a repetition (median of {reps}; nothing subtracted)"
             tables[title] = [{"path": p, **row} for p, path_rows in per_path.items() for row in path_rows]
