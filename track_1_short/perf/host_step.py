@@ -181,23 +181,14 @@ class PythonHostStep:
         return STATIC_CHANGED if changed else STATIC_SAME
 
     def stage_and_replay(self, addresses_row, rows, graph_exec: int, device_index: int) -> int:
-        if graph_exec == 0:
-            raise ValueError("stage_and_replay: graph_exec is 0; pass CUDAGraph.raw_cuda_graph_exec()")
-        launch = _graph_launch()  # may raise: before anything is written
-        stream = torch.cuda.current_stream(device_index).cuda_stream
+        launch = _prepared_launch(graph_exec, device_index, "stage_and_replay")  # may raise: nothing written
         answer = self.stage_update(addresses_row, rows)
         if answer == STATIC_SAME:
-            result = launch(graph_exec, stream)
-            if result != 0:
-                raise RuntimeError(f"replay: cuGraphLaunch failed with CUDA error {result}")
+            launch()
         return answer
 
     def replay(self, graph_exec: int, device_index: int) -> None:
-        if graph_exec == 0:
-            raise ValueError("replay: graph_exec is 0; pass CUDAGraph.raw_cuda_graph_exec()")
-        result = _graph_launch()(graph_exec, torch.cuda.current_stream(device_index).cuda_stream)
-        if result != 0:
-            raise RuntimeError(f"replay: cuGraphLaunch failed with CUDA error {result}")
+        _prepared_launch(graph_exec, device_index, "replay")()
 
     def drop_gradients(self) -> None:
         self.release()
@@ -259,6 +250,22 @@ def _graph_launch():
     function.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     function.restype = ctypes.c_int
     return function
+
+
+def _prepared_launch(graph_exec: int, device_index: int, caller: str):
+    """A launch of ``graph_exec`` on the device's current stream, with every check that can fail before it
+    made now (a graph given, the driver found), so that a caller can make them before it writes anything."""
+    if graph_exec == 0:
+        raise ValueError(f"{caller}: graph_exec is 0; pass CUDAGraph.raw_cuda_graph_exec()")
+    launch = _graph_launch()
+    stream = torch.cuda.current_stream(device_index).cuda_stream
+
+    def run() -> None:
+        result = launch(graph_exec, stream)
+        if result != 0:
+            raise RuntimeError(f"replay: cuGraphLaunch failed with CUDA error {result}")
+
+    return run
 
 
 def host_step(params, cfgs, states, host: str = "native"):

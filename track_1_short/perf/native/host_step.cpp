@@ -111,6 +111,23 @@ void launch_graph(const Driver& d, int64_t graph_exec, void* stream) {
   }
 }
 
+// A graph launch with every check that can fail before it made up front (a graph given, the driver found, the
+// stream read), so that a caller can make them before it writes anything and launch after.
+struct PreparedLaunch {
+  const Driver* driver;
+  int64_t graph_exec;
+  void* stream;
+  void operator()() const { launch_graph(*driver, graph_exec, stream); }
+};
+
+PreparedLaunch prepare_launch(int64_t graph_exec, int64_t device_index, const char* caller) {
+  if (graph_exec == 0) {
+    throw py::value_error(std::string(caller) + ": graph_exec is 0; pass CUDAGraph.raw_cuda_graph_exec()");
+  }
+  const Driver& d = driver();
+  return PreparedLaunch{&d, graph_exec, current_stream(device_index)};
+}
+
 class HostStep {
  public:
   HostStep(const py::list& params, const py::list& cfgs, const py::list& states)
@@ -257,27 +274,17 @@ class HostStep {
   // after a change of betas or eps the caller rebuilds the static data and captures the graph again.
   int64_t stage_and_replay(const at::Tensor& addresses_row, const at::Tensor& rows, int64_t graph_exec,
                            int64_t device_index) {
-    if (graph_exec == 0) {
-      throw py::value_error("stage_and_replay: graph_exec is 0; pass CUDAGraph.raw_cuda_graph_exec()");
-    }
-    const Driver& d = driver();  // may raise: before anything is written
-    void* stream = current_stream(device_index);
+    const PreparedLaunch launch = prepare_launch(graph_exec, device_index, "stage_and_replay");  // may raise
     const int64_t answer = stage_update(addresses_row, rows);
     if (answer == kStaticSame) {
-      launch_graph(d, graph_exec, stream);
+      launch();
     }
     return answer;
   }
 
   // Launch a graph on the current stream of CUDA device `device_index` and do nothing else: the one CUDA call
   // of a device step without its host work (perf/bench_replicated_adam.py's device_floor path times it).
-  void replay(int64_t graph_exec, int64_t device_index) {
-    if (graph_exec == 0) {
-      throw py::value_error("replay: graph_exec is 0; pass CUDAGraph.raw_cuda_graph_exec()");
-    }
-    const Driver& d = driver();
-    launch_graph(d, graph_exec, current_stream(device_index));
-  }
+  void replay(int64_t graph_exec, int64_t device_index) { prepare_launch(graph_exec, device_index, "replay")(); }
 
   // zero_grad(): every parameter's .grad = None, and the held gradients released.
   void drop_gradients() {
