@@ -326,9 +326,8 @@ class DeviceFloor:
 
         self.host = host_step(params, cfgs, states, "native")
         self.count = torch.zeros(1, dtype=torch.int64, device=device)
-        self.launched = (
-            0  # driver launches made (the profiler does not trace them; profile_counts reads this)
-        )
+        # Driver launches made: the profiler does not trace them, so profile_counts reads this count.
+        self.launched = 0
         self.graph, self.graph_exec, self.device_index = None, 0, 0
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -481,9 +480,8 @@ def phase_times(runner: Runner, count: int, device: torch.device) -> list[dict]:
     """Host microseconds of each phase of a repetition, the median of ``count`` (one row per phase).
 
     Phases: "backward" (whatever the path hooks into it included), "hand_over" with ``--hand-over``, then the
-    path's step as
-    its public calls where it has step_phases() (ReplicatedAdam: launch_reduce, update, zero_grad), else
-    "step", then on CUDA "event", the event that closes a repetition in interleaved_samples.
+    path's step as its public calls where it has step_phases() (ReplicatedAdam: launch_reduce, update,
+    zero_grad), else "step", then on CUDA "event", the event that closes a repetition in interleaved_samples.
     Each repetition starts on an idle queue, as in interleaved_samples; no baseline is subtracted.
     """
     path = runner.path
