@@ -25,10 +25,11 @@ nanoseconds each, charged to the piece). Pieces:
 - ``rest``: the call's time minus its pieces in the same repetition (Python between them, the no-op reduces
   of one process, the row writes into pinned memory).
 
-Reference rows (CUDA): a CUDA graph of one kernel replayed, an event recorded, a finished event waited
-on, a kernel launched, and the same event record as the first CUDA call after the backward (the
-backward's last kernels are launched from autograd's device thread; the first call from the main thread
-after it pays for the hand-over). Each row is the median and the 10th and 90th percentiles over the
+Reference rows (CUDA): a CUDA graph of one kernel replayed, the same kernel between the update graph's
+three copies (CopiesGraph) replayed, an event recorded, a finished event waited on, a kernel launched,
+and the same event record as the first CUDA call after the backward (the backward's last kernels are
+launched from autograd's device thread; the first call from the main thread after it pays for the
+hand-over). Each row is the median and the 10th and 90th percentiles over the
 repetitions. The wrapped paths end bitwise equal to each other (``bitwise``), as unwrapped ones do.
 """
 
@@ -142,12 +143,38 @@ def measure_path(path_name: str, device, reps: int, warmup: int, block: int, spi
     return clock, params
 
 
+class CopiesGraph:
+    """A CUDA graph of one kernel between the copies that the device path's update graph makes: two uploads
+    from pinned rows (its addresses, int64 [13], and its inputs, fp64 [6, 13]) and one download into pinned
+    memory (its fence count). Replayed beside the one-kernel graph, it says what those copy nodes add to a
+    launch's host time, which is what reading the rows in place from the kernels could save."""
+
+    def __init__(self, device, n: int = len(bench.RECORD)):
+        self.host_addresses = torch.zeros(n, dtype=torch.int64, pin_memory=True)
+        self.host_inputs = torch.zeros((6, n), dtype=torch.float64, pin_memory=True)
+        self.host_count = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self.addresses = torch.zeros(n, dtype=torch.int64, device=device)
+        self.inputs = torch.zeros((6, n), dtype=torch.float64, device=device)
+        self.count = torch.zeros(1, dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.addresses.copy_(self.host_addresses, non_blocking=True)
+            self.inputs.copy_(self.host_inputs, non_blocking=True)
+            self.count.add_(1)
+            self.host_count.copy_(self.count, non_blocking=True)
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
 def cuda_reference(device, reps: int, spin) -> dict[str, list[float]]:
     """Host us of the CUDA calls a step is made of, each behind a spin kernel as the steps are."""
     x = torch.zeros(16, device=device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         x.add_(1.0)
+    copies = CopiesGraph(device)
     event = torch.cuda.Event()
     params, _, _ = bench.build(bench.RECORD, device)
     grads = bench.Gradients(params)
@@ -167,6 +194,7 @@ def cuda_reference(device, reps: int, spin) -> dict[str, list[float]]:
             timed("event_record, first CUDA call after the backward", event.record)
             timed("event_record", event.record)
             timed("graph_replay (one kernel)", graph.replay)
+            timed("graph_replay (one kernel, two uploads and a download)", copies.replay)
             timed("kernel_launch (torch.cuda._sleep)", lambda: torch.cuda._sleep(1))
             torch.cuda.synchronize(device)
             spin(SPIN_S)
