@@ -48,7 +48,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_replicated_adam as bench  # noqa: E402 - the sibling script, importable from its own folder
 
 from track_1_short.perf.graph_check import same_bits  # noqa: E402
+from track_1_short.perf.graph_fence import GraphFence  # noqa: E402
 from track_1_short.perf.host_step import InstrumentedHostStep  # noqa: E402
+from track_1_short.perf.kernels.replicated_adam import STEP_INPUTS  # noqa: E402
 from track_1_short.perf.replicated_adam import SCALAR_TABLE_SLOTS  # noqa: E402
 
 PATHS = ("fused", "device", "device_python")
@@ -145,27 +147,27 @@ def measure_path(path_name: str, device, reps: int, warmup: int, block: int, spi
 
 class CopiesGraph:
     """A CUDA graph of one kernel between the copies that the device path's update graph makes: two uploads
-    from pinned rows (its addresses, int64 [13], and its inputs, fp64 [6, 13]) and one download into pinned
-    memory (its fence count). Replayed beside the one-kernel graph, it says what those copy nodes add to a
-    launch's host time, which is what reading the rows in place from the kernels could save."""
+    from pinned rows (its addresses, int64 [13], and its inputs, fp64 [STEP_INPUTS, 13]) and the download of
+    its fence (GraphFence.signal: the counter's add, the kernel, and its copy into pinned memory). Replayed
+    beside the one-kernel graph, it says what those copy nodes add to a launch's host time, which is what
+    reading the rows in place from the kernels could save."""
 
     def __init__(self, device, n: int = len(bench.RECORD)):
         self.host_addresses = torch.zeros(n, dtype=torch.int64, pin_memory=True)
-        self.host_inputs = torch.zeros((6, n), dtype=torch.float64, pin_memory=True)
-        self.host_count = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self.host_inputs = torch.zeros((len(STEP_INPUTS), n), dtype=torch.float64, pin_memory=True)
         self.addresses = torch.zeros(n, dtype=torch.int64, device=device)
-        self.inputs = torch.zeros((6, n), dtype=torch.float64, device=device)
-        self.count = torch.zeros(1, dtype=torch.int64, device=device)
+        self.inputs = torch.zeros((len(STEP_INPUTS), n), dtype=torch.float64, device=device)
+        self.fence = GraphFence(device)
         torch.cuda.synchronize(device)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.addresses.copy_(self.host_addresses, non_blocking=True)
             self.inputs.copy_(self.host_inputs, non_blocking=True)
-            self.count.add_(1)
-            self.host_count.copy_(self.count, non_blocking=True)
+            self.fence.signal()
 
     def replay(self) -> None:
         self.graph.replay()
+        self.fence.count()
 
 
 def cuda_reference(device, reps: int, spin) -> dict[str, list[float]]:

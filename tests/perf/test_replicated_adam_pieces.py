@@ -53,8 +53,8 @@ def test_the_wrapped_paths_still_agree_bit_for_bit_and_the_file_has_its_provenan
 
 @pytest.mark.gpu
 def test_the_copies_graph_makes_both_uploads_and_the_download_on_every_replay():
-    """The reference row times what it names: each replay copies the current pinned rows up and the
-    incremented count down (a graph missing a copy would leave old values behind)."""
+    """The reference row times what it names: each replay copies the current pinned rows up and signals the
+    fence (a graph missing a copy would leave old values behind)."""
     copies = pieces.CopiesGraph(torch.device("cuda"))
     for k in range(1, 4):
         copies.host_addresses.fill_(k)
@@ -63,4 +63,4 @@ def test_the_copies_graph_makes_both_uploads_and_the_download_on_every_replay():
         torch.cuda.synchronize()
         assert copies.addresses.tolist() == [k] * copies.addresses.numel()
         assert copies.inputs.eq(0.5 * k).all().item()
-        assert copies.host_count.item() == copies.count.item() == k
+        assert copies.fence.arrived == copies.fence.enqueued == k
