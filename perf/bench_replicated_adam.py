@@ -13,7 +13,8 @@ elements, bf16 and fp32, three beta pairs). Paths, each from the same initial va
 - ``per_param``: per parameter one async all_reduce(AVG) and one ``adam_update_`` (compiled on CUDA);
 - ``fused``: ``ReplicatedAdam(impl="fused")``: host table, one foreach copy, all_reduce and kernel per dtype;
 - ``device``: ``ReplicatedAdam(impl="device")``: gradients gathered on the device through a table of their
-  addresses, device table, one kernel for every dtype, CUDA graphs on CUDA;
+  addresses, its scalars computed on the device, one kernel for all of it and every dtype, CUDA graphs on
+  CUDA;
 - ``torch_adam``: ``torch.optim.Adam`` (fused=True on CUDA), one group per tensor, after per-parameter
   all_reduces; its arithmetic differs (no cautious decay), so it is timed, not compared;
 - ``device_split`` (only when named in ``--paths``): ``device`` laid out as with several processes, the
@@ -22,6 +23,8 @@ elements, bf16 and fp32, three beta pairs). Paths, each from the same initial va
   host work (``host="python"``, perf/host_step.py) where ``device`` runs the C++ one;
 - ``device_torch_replay`` (only when named): ``device`` with its update graph replayed by torch after the
   host step has staged the rows, where ``device`` launches it from the host step;
+- ``device_uploads`` (only when named): ``device`` with its update graph copying the two pinned rows up
+  before its kernel, where ``device``'s kernel reads them in place;
 - two floors (only when named; they update nothing, so they are timed, never compared):
   ``device_fence_graph``, ``device`` with its update graph swapped for the fence signal alone (what the
   graph's content costs the host: the most any change inside it can save), and ``device_floor``, the least
@@ -108,8 +111,16 @@ RECORD = [
 ADAM_LR, ADAM_EPS, ADAM_WD = 0.008, 1e-10, 0.005  # the record's Adam settings
 PATHS = ("per_param", "fused", "device", "torch_adam")
 # Selectable with --paths, not run by default: the device path laid out as with several processes, with its
-# host step in Python, with its update graph replayed by torch after the host step; and two floors under it.
-EXTRA_PATHS = ("device_split", "device_python", "device_torch_replay", "device_fence_graph", "device_floor")
+# host step in Python, with its update graph replayed by torch after the host step, with its rows uploaded by
+# the graph rather than read in place; and two floors under it.
+EXTRA_PATHS = (
+    "device_split",
+    "device_python",
+    "device_torch_replay",
+    "device_uploads",
+    "device_fence_graph",
+    "device_floor",
+)
 SETS = ("record", "synthetic")
 # The device path's host step launches its graph through the driver (cuGraphLaunch); torch uses the runtime.
 LAUNCH_CALLS = (
@@ -276,13 +287,22 @@ class DeviceTorchReplay(Device):
         self.opt._device_mode.replay_in_host_step = False
 
 
+class DeviceUploads(Device):
+    """impl="device" with its update graph uploading the pinned rows before its one kernel, where ``device``'s
+    kernel reads them in place: what the two copy nodes cost."""
+
+    def __init__(self, params, cfgs, states, device, block):
+        super().__init__(params, cfgs, states, device, block)
+        self.opt._device_mode.rows_in_place = False
+
+
 class DeviceFenceGraph(Device):
     """impl="device" with its update graph swapped, once trusted, for a graph that holds only the fence signal
     (a counter increment and its copy into pinned memory): the host step, its launch and the fence are the
-    device path's, the graph's other five nodes (two uploads, the gather, the table and Adam) are gone. What
-    the update graph's content costs the host, so the most that any change inside the graph (fewer nodes, one
-    kernel) can save there. After the swap it updates nothing: timed, never compared. Without CUDA graphs (the
-    CPU) there is nothing to swap and it runs as ``device``."""
+    device path's, the graph's kernel (the gather, the scalars and Adam) is gone. What
+    the update graph's content costs the host, so the most that any change inside the graph can save there.
+    After the swap it updates nothing: timed, never compared. Without CUDA graphs (the CPU) there is nothing
+    to swap and it runs as ``device``."""
 
     def __init__(self, params, cfgs, states, device, block):
         super().__init__(params, cfgs, states, device, block)
@@ -410,6 +430,7 @@ PATH_CLASSES = {
     "device_split": DeviceSplit,
     "device_python": DevicePython,
     "device_torch_replay": DeviceTorchReplay,
+    "device_uploads": DeviceUploads,
     "device_fence_graph": DeviceFenceGraph,
     "device_floor": DeviceFloor,
 }
@@ -653,7 +674,7 @@ def _count_triton_launches(counter: list[int]) -> Callable[[], None]:
     from track_1_short.perf.kernels import replicated_adam as kernels
 
     originals = {}
-    for name in ("launch_fused_adam", "launch_fused_adam_groups", "device_scalar_table_"):
+    for name in ("launch_fused_adam", "launch_fused_adam_groups", "launch_device_step"):
         original = getattr(kernels, name)
         originals[name] = original
 

@@ -410,3 +410,163 @@ def test_gather_refuses_bad_buffers_before_it_writes(corrupt, match):
     with pytest.raises(ValueError, match=match):
         K.gather_grads_(*corrupt(groups, addresses, starts))
     assert all(torch.equal(bits(flat), b) for (flat, _), b in zip(groups, before))
+
+
+# ---- the one-launch device step ---------------------------------------------------------------------------
+
+
+def _device_step_case(device="cpu"):
+    """The eight parameters of CFGS split by dtype (even: bf16, odd: fp32) into two flat groups indexed by one
+    table, their gradients where autograd would leave them (INACTIVE's missing), and device_step_'s inputs."""
+    from track_1_short.optim.adam import first_moment_correction, second_moment_correction
+    from track_1_short.perf.replicated_adam_device import correction_table
+
+    (params_bf16, grads_bf16, m_bf16, v_bf16), steps = _case(torch.bfloat16, seed=3)
+    (params_fp32, grads_fp32, m_fp32, v_fp32), _ = _case(torch.float32, seed=4)
+    n = len(SIZES)
+    members = {torch.bfloat16: range(0, n, 2), torch.float32: range(1, n, 2)}
+    source = {
+        torch.bfloat16: (params_bf16, m_bf16, v_bf16, grads_bf16),
+        torch.float32: (params_fp32, m_fp32, v_fp32, grads_fp32),
+    }
+    groups, starts, grads = [], [0] * n, {}
+    for dtype, indices in members.items():
+        params, m, v, g = source[dtype]
+        offset, segment = 0, []
+        for i in indices:
+            starts[i] = offset
+            offset += params[i].numel()
+            segment += [i] * params[i].numel()
+            grads[i] = None if i in INACTIVE else g[i].reshape(-1).contiguous().to(device)
+        flat_grad = torch.full((offset,), float("nan"), dtype=dtype, device=device)
+        groups.append(
+            tuple(_flat([t[i] for i in indices]).to(device) for t in (params,))
+            + (flat_grad,)
+            + tuple(_flat([t[i] for i in indices]).to(device) for t in (m, v))
+            + (torch.tensor(segment, dtype=torch.int32, device=device),)
+        )
+    addresses = torch.tensor(
+        [0 if grads[i] is None else grads[i].data_ptr() for i in range(n)], device=device
+    )
+    inputs = torch.tensor(
+        [
+            [0.0123 * (1 + i / 7) for i in range(n)],
+            [c.lr_mul for c in CFGS],
+            [c.weight_decay for c in CFGS],
+            [c.wd_mul for c in CFGS],
+            [float(t) for t in steps],
+            [0.0 if i in INACTIVE else 1.0 for i in range(n)],
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    values, index = [], [[0] * n for _ in range(4)]
+    for i, cfg in enumerate(CFGS):
+        for slot, (beta, fn) in enumerate(
+            ((cfg.adam_betas[0], first_moment_correction), (cfg.adam_betas[1], second_moment_correction))
+        ):
+            table = correction_table(beta, fn)
+            index[2 * slot][i], index[2 * slot + 1][i] = len(values), len(table) - 1
+            values += table
+    table = _table(steps, device)
+    table[:, 5:] = float("nan")  # the per-step columns: whatever the launch does not write stays NaN
+    return dict(
+        groups=groups,
+        table=table,
+        addresses=addresses,
+        starts=torch.tensor(starts, dtype=torch.int64, device=device),
+        inputs=inputs,
+        corrections=torch.tensor(values, dtype=torch.float64, device=device),
+        correction_index=torch.tensor(index, dtype=torch.int32, device=device),
+        grads=grads,  # keeps the gradients that addresses point at alive
+    )
+
+
+def _clone_case(case):
+    out = dict(case)
+    out["groups"] = [tuple(t.clone() for t in g) for g in case["groups"]]
+    out["table"] = case["table"].clone()
+    return out
+
+
+def _three_launches(case, block):
+    K.gather_grads_([(g[1], g[4]) for g in case["groups"]], case["addresses"], case["starts"], block=block)
+    K.device_scalar_table_(case["table"], case["inputs"], case["corrections"], case["correction_index"])
+    K.fused_adam_groups_(case["groups"], case["table"], block=block)
+
+
+def _one_launch(case, block, gather):
+    K.device_step_(
+        case["groups"],
+        case["table"],
+        case["addresses"],
+        case["starts"],
+        case["inputs"],
+        case["corrections"],
+        case["correction_index"],
+        gather=gather,
+        block=block,
+    )
+
+
+def _assert_same_step(a, b):
+    for k, (ga, gb) in enumerate(zip(a["groups"], b["groups"])):
+        for what, x, y in zip(("param", "grad", "exp_avg", "exp_avg_sq"), ga[:4], gb[:4]):
+            assert_bitwise(x, y, f"group {k} {what}")
+    assert_bitwise(a["table"], b["table"], "table")
+
+
+def _check_one_launch_against_three(device, block):
+    reference = _device_step_case(device)
+    gathered, flat = _clone_case(reference), _clone_case(reference)
+    before = [g[0].clone() for g in reference["groups"]]
+    _three_launches(reference, block)
+    assert not torch.isnan(reference["table"]).any()
+    assert any(not torch.equal(bits(g[0]), b) for g, b in zip(reference["groups"], before)), "nothing moved"
+    _one_launch(gathered, block, gather=True)
+    _assert_same_step(reference, gathered)
+    # Without the gather the launch reads the flat buffer: give it the gathered gradients.
+    for g, r in zip(flat["groups"], reference["groups"]):
+        g[1].copy_(r[1])
+    _one_launch(flat, block, gather=False)
+    _assert_same_step(reference, flat)
+
+
+def test_one_launch_device_step_equals_gather_table_and_adam_launches_bitwise():
+    _check_one_launch_against_three("cpu", BLOCK)
+
+
+@pytest.mark.gpu
+def test_one_launch_device_step_equals_gather_table_and_adam_launches_bitwise_on_cuda():
+    _check_one_launch_against_three("cuda", K.DEFAULT_BLOCK)
+
+
+@pytest.mark.gpu
+def test_one_launch_device_step_reads_pinned_rows_in_place_with_the_same_bits():
+    reference = _device_step_case("cuda")
+    pinned = _clone_case(reference)
+    pinned["addresses"] = reference["addresses"].cpu().pin_memory()
+    pinned["inputs"] = reference["inputs"].cpu().pin_memory()
+    _three_launches(reference, K.DEFAULT_BLOCK)
+    _one_launch(pinned, K.DEFAULT_BLOCK, gather=True)
+    torch.cuda.synchronize()
+    _assert_same_step(reference, pinned)
+
+
+@pytest.mark.parametrize(
+    "key, corrupt, match",
+    [
+        ("inputs", lambda t: t[:5], r"inputs must be a contiguous torch.float64 tensor of shape \[6, 8\]"),
+        ("addresses", lambda t: t.int(), "addresses must be a contiguous torch.int64"),
+        ("correction_index", lambda t: t.long(), "correction_index must be a contiguous torch.int32"),
+        ("corrections", lambda t: t.float(), "corrections must be a float64"),
+        ("groups", lambda g: g * 2, "one or two groups"),
+    ],
+)
+def test_one_launch_device_step_refuses_bad_buffers_before_it_writes(key, corrupt, match):
+    case = _device_step_case()
+    before = [bits(t).clone() for g in case["groups"] for t in g[:4]]
+    case[key] = corrupt(case[key])
+    with pytest.raises(ValueError, match=match):
+        _one_launch(case, BLOCK, gather=True)
+    assert all(torch.equal(bits(t), b) for t, b in zip((t for g in case["groups"] for t in g[:4]), before))

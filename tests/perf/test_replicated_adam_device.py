@@ -446,8 +446,12 @@ def _cuda_step(opt, weights, do_adam):
 @pytest.mark.gpu
 @pytest.mark.parametrize("host", HOSTS)
 @pytest.mark.parametrize("gather_in_update", [True, False], ids=["one_graph", "gather_graph"])
-def test_cuda_graph_mode_equals_the_fused_path_bitwise_over_a_hundred_adam_steps(gather_in_update, host):
+@pytest.mark.parametrize("rows_in_place", [True, False], ids=["rows_read_in_place", "rows_uploaded"])
+def test_cuda_graph_mode_equals_the_fused_path_bitwise_over_a_hundred_adam_steps(
+    gather_in_update, host, rows_in_place
+):
     fused, device = _cuda_pair(seed=25, gather_in_update=gather_in_update, host=host)
+    device._device_mode.rows_in_place = rows_in_place
     gen = torch.Generator().manual_seed(26)
     for step in range(200):
         weights = [w.cuda() for w in _weights(fused.params, gen)]
@@ -521,7 +525,7 @@ def test_the_trusted_update_graph_is_launched_by_the_host_step_or_by_torch_with_
     [
         ("_launch_update_kernels", "exp_avg", True, "CUDA graph of the replicated Adam step disagrees"),
         (
-            "_gather",
+            "_launch_update_kernels",
             "grad",
             True,
             r"CUDA graph of the replicated Adam step disagrees with the eager step in .*grad",

@@ -10,24 +10,27 @@ same call that writes the rows (cuGraphLaunch from C++, where torch.cuda.CUDAGra
 from Python). Reading the gradients and configs and
 writing those rows is the host step of perf/host_step.py (C++ by default, its Python reference selectable).
 - Gradients are gathered on the device. Autograd leaves each .grad where it likes (a fresh tensor every
-  step); their 13 data pointers (0 for a parameter without a gradient) go into a pinned int64 row, and the
-  gather is a host-to-device copy of that row, then one Triton launch that
-  copies every element of every gradient into its flat buffer, reading its source address from the row
-  by segment id. No gradient hooks, no views, no in-place adds in the backward: the backward is the same
-  as for the other paths, and a graph that reads addresses as data follows tensors that move every step.
+  step); their 13 data pointers (0 for a parameter without a gradient) go into a pinned int64 row, and each
+  element of the flat buffers reads its gradient's element through that row by segment id. No gradient
+  hooks, no views, no in-place adds in the backward: the backward is the same as for the other paths, and a
+  graph that reads addresses as data follows tensors that move every step.
 - The table is computed on the device. Per step the host writes six fp64 numbers per parameter (lr, lr_mul,
-  weight_decay, wd_mul, step, active) into pinned memory, copied up by the update graph itself (without
-  graphs, through UploadRing); a one-program kernel computes step_size and eff_wd in fp64 from
-  bias-correction tables the host computed once in Python doubles. The step counters stay the state dicts'
-  ints (what checkpoints save and load) and ride in that same upload, so a loaded checkpoint cannot leave a
-  stale counter on the device.
-- One Adam launch for every dtype.
-- On CUDA the gather, the reduce (NCCL, with several processes) and the update (table kernel and Adam kernel)
-  are CUDA graphs, replayed. With one process there is no reduce to start early, so the gather waits for
-  update() and rides in the update graph: one replay per Adam step (``stage_and_replay``). launch_reduce()
-  then only reads the addresses and holds the gradients. With several processes launch_reduce() replays the
+  weight_decay, wd_mul, step, active) into pinned memory; each element computes its row's step_size and
+  eff_wd in fp64 from bias-correction tables the host computed once in Python doubles. The step counters stay
+  the state dicts' ints (what checkpoints save and load) and ride in that same row, so a loaded checkpoint
+  cannot leave a stale counter on the device.
+- One launch does it all (kernels.device_step_): with one process the gather, the scalars and Adam for every
+  dtype; with several, the gather is its own launch before the reduce and this one reads the reduced
+  buffers. Under CUDA graphs it reads both pinned rows in place, over the bus (``rows_in_place``): the update
+  graph is that kernel and the fence's two nodes, where it held two uploads, the gather, a table kernel and
+  Adam before the fence (the host's launch of a graph grows with its nodes). Without graphs the rows go up
+  through UploadRing.
+- On CUDA the gather, the reduce (NCCL, with several processes) and the update are CUDA graphs, replayed.
+  With one process there is no reduce to start early, so the gather waits for update() and rides in the
+  update graph: one replay per Adam step (``stage_and_replay``). launch_reduce() then only reads the
+  addresses and holds the gradients. With several processes launch_reduce() replays the
   gather and the reduce, update() the update.
-- The host learns that the last update graph has copied the pinned rows from a fence (perf/graph_fence.py)
+- The host learns that the last update graph has read the pinned rows from a fence (perf/graph_fence.py)
   that the graph signals into pinned memory: a load from memory where an event's record and wait were two
   CUDA calls.
 Measured in perf/RESULTS.md (perf/bench_replicated_adam.py, the record's 13 tensors, gradients arriving fresh
@@ -43,7 +46,8 @@ Invariants (each tested in tests/perf/test_replicated_adam_device.py):
    parameter is active when it has a .grad at launch_reduce(), as in the fused path; a gradient that is not
    contiguous is refused, naming the parameter, before anything is written.
 4. A pinned row is rewritten only after the fence signal at the end of the last update graph has run, which
-   follows the last gather in stream order. A gradient dropped or replaced after launch_reduce() is safe:
+   follows the last read of the rows (the update kernel's, or the copies' without rows_in_place) and the last
+   gather in stream order. A gradient dropped or replaced after launch_reduce() is safe:
    with the gather in launch_reduce() its block is reused only by work queued behind the gather on the same
    stream; with the gather in update() launch_reduce() holds it. A gradient changed in place in between (an
    explicit in-place op, or a backward accumulating into it) is refused in update(), naming the parameter,
@@ -146,7 +150,7 @@ class DeviceStep:
         self.inputs = torch.zeros((len(STEP_INPUTS), n), dtype=torch.float64, device=device)
         self.use_graphs = use_cuda_graphs and device.type == "cuda"
         if self.use_graphs:
-            # The graphs copy from fixed pinned rows. The host rewrites them only once the fence signal at the
+            # The graphs read fixed pinned rows. The host rewrites them only once the fence signal at the
             # end of the last update graph has run, which follows the last gather in stream order.
             self._pinned_addresses = torch.zeros(n, dtype=torch.int64, pin_memory=True)
             self._pinned_inputs = torch.zeros(self.inputs.shape, dtype=torch.float64, pin_memory=True)
@@ -179,6 +183,10 @@ class DeviceStep:
         # The host step launches the trusted update graph in the call that stages its rows (stage_and_replay);
         # off, update() replays it through torch after stage_update (the bench's device_torch_replay path).
         self.replay_in_host_step = True
+        # With CUDA graphs the update kernel reads the pinned rows in place (the GPU loads them over the bus):
+        # no upload nodes in the update graph. Off, the graph uploads them first (the bench's device_uploads
+        # path). Set before the first Adam step: the graph is captured then.
+        self.rows_in_place = True
         # The CUDA device whose current stream the host step launches on ("cuda" alone: the current one).
         current = device.type == "cuda" and device.index is None
         self._device_index = torch.cuda.current_device() if current else (device.index or 0)
@@ -242,7 +250,7 @@ class DeviceStep:
             and self.update_graph is not None
         )
         if self.use_graphs:
-            self._fence.wait()  # the last graph has copied both pinned rows
+            self._fence.wait()  # the last graph has read both pinned rows
             if replay:
                 answer = self.host.stage_and_replay(
                     self._pinned_addresses, self._pinned_inputs, self._update_exec, self._device_index
@@ -297,7 +305,7 @@ class DeviceStep:
         """Several processes: this step's gradient addresses into the row the gather reads (uploaded at once
         without graphs)."""
         if self.use_graphs:
-            self._fence.wait()  # the last graph has copied both pinned rows
+            self._fence.wait()  # the last graph has read both pinned rows
             self.host.write_addresses(self._pinned_addresses)
         else:
             self.host.write_addresses(self.address_ring.host_tensor())
@@ -322,20 +330,32 @@ class DeviceStep:
         return changed
 
     def _launch_step_kernels(self) -> None:
-        """What the update graph holds: the gather too when it waits for update() (one process)."""
-        if self.gather_in_update:
-            self._upload_and_gather()
-        self._launch_update_kernels()
-
-    def _launch_update_kernels(self) -> None:
-        if self.use_graphs:
-            # Inside the update graph: one host-to-device copy node from the one pinned buffer.
+        """What the update graph holds: the rows' uploads unless the kernel reads them in place, the one
+        launch (which gathers too when the gather waits for update(): one process), and the fence signal."""
+        if self.use_graphs and not self.rows_in_place:
+            # Host-to-device copy nodes from the pinned rows.
+            if self.gather_in_update:
+                self.addresses.copy_(self._pinned_addresses, non_blocking=True)
             self.inputs.copy_(self._pinned_inputs, non_blocking=True)
-        kernels.device_scalar_table_(self.owner.table, self.inputs, self.corrections, self.correction_index)
-        # The gather rewrites every element of the gradient buffers: nothing to clear here.
-        kernels.launch_fused_adam_groups(self.group_args, self.owner.table, self.owner.block)
+        self._launch_update_kernels()
         if self.use_graphs:
             self._fence.signal()  # the pinned rows may be rewritten once this has run
+
+    def _launch_update_kernels(self) -> None:
+        # The gather, the table and Adam for every dtype in one launch; with several processes the gather ran
+        # in launch_reduce() and the launch reads the reduced flat buffers.
+        in_place = self.use_graphs and self.rows_in_place
+        kernels.launch_device_step(
+            self.group_args,
+            self.owner.table,
+            self._pinned_addresses if in_place and self.gather_in_update else self.addresses,
+            self.starts,
+            self._pinned_inputs if in_place else self.inputs,
+            self.corrections,
+            self.correction_index,
+            self.owner.block,
+            gather=self.gather_in_update,
+        )
 
     def update(self) -> None:
         if not self._reduce_pending:

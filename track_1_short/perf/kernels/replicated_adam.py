@@ -66,6 +66,62 @@ _NUM_WARPS = 4
 
 
 @triton.jit
+def _adam_math(g, p, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, eff_wd, DIV_RN):
+    # Every multiply and add rounded on its own (launched with enable_fp_fusion=False, see the docstring).
+    m = beta1 * m + one_minus_beta1 * g  # beta1 * exp_avg + (1 - beta1) * g
+    v = beta2 * v + one_minus_beta2 * (g * g)  # beta2 * exp_avg_sq + (1 - beta2) * (g * g)
+    denom = tl.sqrt_rn(v) + eps  # v.sqrt() + eps
+    if DIV_RN:
+        ratio = tl.math.div_rn(m, denom)  # m / (...), Inductor with division rounding on
+    else:
+        ratio = m / denom  # m / (...), Inductor's default lowering
+    u = ratio * step_size  # ... * step_size
+    u = tl.where(u * p > 0.0, u + eff_wd * p, u)  # torch.where(u * p > 0, u + eff_wd * p, u)
+    p = p - u  # param.copy_(p - u)
+    return p, m, v
+
+
+@triton.jit
+def _adam_update(
+    offs,
+    mask,
+    g_bits,
+    param_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    row,
+    step_size,
+    eff_wd,
+    PARAM_BF16: tl.constexpr,
+    DIV_RN: tl.constexpr,
+):
+    # The Adam step of the elements in ``mask``: g_bits is their gradient as loaded (bf16: its int16 bits),
+    # row their table rows (the static columns), step_size and eff_wd their per-step scalars in fp32.
+    beta1 = tl.load(row + 0, mask=mask, other=0.0)
+    one_minus_beta1 = tl.load(row + 1, mask=mask, other=0.0)
+    beta2 = tl.load(row + 2, mask=mask, other=0.0)
+    one_minus_beta2 = tl.load(row + 3, mask=mask, other=0.0)
+    eps = tl.load(row + 4, mask=mask, other=1.0)
+    if PARAM_BF16:
+        g = _widen_bf16(g_bits)  # grad.float()
+        p = _widen_bf16(tl.load(param_ptr + offs, mask=mask, other=0))  # param.float()
+    else:
+        g = g_bits
+        p = tl.load(param_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+    p, m, v = _adam_math(
+        g, p, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, eff_wd, DIV_RN
+    )
+    tl.store(exp_avg_ptr + offs, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+    if PARAM_BF16:
+        tl.store(param_ptr + offs, _round_to_bf16_bits(p), mask=mask)
+    else:
+        tl.store(param_ptr + offs, p, mask=mask)
+
+
+@triton.jit
 def _adam_block(
     offs,
     in_bounds,
@@ -82,41 +138,12 @@ def _adam_block(
     row = table_ptr + seg * 8  # ROW_STRIDE
     active = tl.load(row + 7, mask=in_bounds, other=0.0) != 0.0
     mask = in_bounds & active
-    beta1 = tl.load(row + 0, mask=mask, other=0.0)
-    one_minus_beta1 = tl.load(row + 1, mask=mask, other=0.0)
-    beta2 = tl.load(row + 2, mask=mask, other=0.0)
-    one_minus_beta2 = tl.load(row + 3, mask=mask, other=0.0)
-    eps = tl.load(row + 4, mask=mask, other=1.0)
     step_size = tl.load(row + 5, mask=mask, other=0.0)
     eff_wd = tl.load(row + 6, mask=mask, other=0.0)
-
-    if PARAM_BF16:
-        g = _widen_bf16(tl.load(grad_ptr + offs, mask=mask, other=0))  # grad.float()
-        p = _widen_bf16(tl.load(param_ptr + offs, mask=mask, other=0))  # param.float()
-    else:
-        g = tl.load(grad_ptr + offs, mask=mask, other=0.0)
-        p = tl.load(param_ptr + offs, mask=mask, other=0.0)
-    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
-
-    # Every multiply and add rounded on its own (launched with enable_fp_fusion=False, see the docstring).
-    m = beta1 * m + one_minus_beta1 * g  # beta1 * exp_avg + (1 - beta1) * g
-    v = beta2 * v + one_minus_beta2 * (g * g)  # beta2 * exp_avg_sq + (1 - beta2) * (g * g)
-    denom = tl.sqrt_rn(v) + eps  # v.sqrt() + eps
-    if DIV_RN:
-        ratio = tl.math.div_rn(m, denom)  # m / (...), Inductor with division rounding on
-    else:
-        ratio = m / denom  # m / (...), Inductor's default lowering
-    u = ratio * step_size  # ... * step_size
-    u = tl.where(u * p > 0.0, u + eff_wd * p, u)  # torch.where(u * p > 0, u + eff_wd * p, u)
-    p = p - u  # param.copy_(p - u)
-
-    tl.store(exp_avg_ptr + offs, m, mask=mask)
-    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-    if PARAM_BF16:
-        tl.store(param_ptr + offs, _round_to_bf16_bits(p), mask=mask)
-    else:
-        tl.store(param_ptr + offs, p, mask=mask)
+    g_bits = tl.load(grad_ptr + offs, mask=mask, other=0)
+    _adam_update(
+        offs, mask, g_bits, param_ptr, exp_avg_ptr, exp_avg_sq_ptr, row, step_size, eff_wd, PARAM_BF16, DIV_RN
+    )
 
 
 @triton.jit
@@ -201,14 +228,19 @@ def _fused_adam_two_groups_kernel(
 
 
 @triton.jit
-def _gather_block(offs, in_bounds, grad_ptr, segment_ptr, addresses_ptr, starts_ptr):
+def _gathered(offs, in_bounds, seg, grad_ptr, addresses_ptr, starts_ptr):
     # Element k of the flat buffer is element (k - start) of its parameter's gradient, wherever autograd put
-    # that tensor this step: its address comes from the table, as an integer (0: no gradient, write zeros).
-    seg = tl.load(segment_ptr + offs, mask=in_bounds, other=0)
+    # that tensor this step: its address comes from the table, as an integer (0: no gradient, zeros).
     address = tl.load(addresses_ptr + seg, mask=in_bounds, other=0)
     start = tl.load(starts_ptr + seg, mask=in_bounds, other=0)
     source = address.to(tl.pointer_type(grad_ptr.dtype.element_ty)) + (offs - start)
-    values = tl.load(source, mask=in_bounds & (address != 0), other=0)
+    return tl.load(source, mask=in_bounds & (address != 0), other=0)
+
+
+@triton.jit
+def _gather_block(offs, in_bounds, grad_ptr, segment_ptr, addresses_ptr, starts_ptr):
+    seg = tl.load(segment_ptr + offs, mask=in_bounds, other=0)
+    values = _gathered(offs, in_bounds, seg, grad_ptr, addresses_ptr, starts_ptr)
     tl.store(grad_ptr + offs, values, mask=in_bounds)
 
 
@@ -236,16 +268,10 @@ def _gather_grads_kernel(
 
 
 @triton.jit
-def _device_scalar_table_kernel(
-    table_ptr,
-    inputs_ptr,
-    corrections_ptr,
-    correction_index_ptr,
-    n,
-    BLOCK_N: tl.constexpr,
-):
-    i = tl.arange(0, BLOCK_N)
-    mask = i < n
+def _step_scalars(i, mask, inputs_ptr, corrections_ptr, correction_index_ptr, n):
+    # Parameter i's (step_size, eff_wd) in fp32 and whether it is active, from its per-step inputs
+    # (STEP_INPUTS rows of n) and its bias-correction tables: fp64 with IEEE multiplies and div.rn, one
+    # rounding to fp32.
     lr = tl.load(inputs_ptr + 0 * n + i, mask=mask, other=0.0)
     lr_mul = tl.load(inputs_ptr + 1 * n + i, mask=mask, other=0.0)
     weight_decay = tl.load(inputs_ptr + 2 * n + i, mask=mask, other=0.0)
@@ -264,10 +290,151 @@ def _device_scalar_table_kernel(
     lr_eff = lr * lr_mul  # cfg.lr * cfg.lr_mul
     step_size = lr_eff * second / first  # lr * sqrt(1 - beta2^t) / (1 - beta1^t), fp64 div.rn
     eff_wd = ((lr_eff * lr_eff) * weight_decay) * wd_mul  # ((lr * lr) * weight_decay) * wd_mul
+    step_size = tl.where(active, step_size, 0.0).to(tl.float32)
+    eff_wd = tl.where(active, eff_wd, 0.0).to(tl.float32)
+    return step_size, eff_wd, active
+
+
+@triton.jit
+def _write_table_columns(
+    table_ptr, inputs_ptr, corrections_ptr, correction_index_ptr, n, BLOCK_N: tl.constexpr
+):
+    # The per-step columns (step_size, eff_wd, active) of every row of the table.
+    i = tl.arange(0, BLOCK_N)
+    mask = i < n
+    step_size, eff_wd, active = _step_scalars(i, mask, inputs_ptr, corrections_ptr, correction_index_ptr, n)
     row = table_ptr + i * 8  # ROW_STRIDE
-    tl.store(row + 5, tl.where(active, step_size, 0.0).to(tl.float32), mask=mask)
-    tl.store(row + 6, tl.where(active, eff_wd, 0.0).to(tl.float32), mask=mask)
+    tl.store(row + 5, step_size, mask=mask)
+    tl.store(row + 6, eff_wd, mask=mask)
     tl.store(row + 7, tl.where(active, 1.0, 0.0).to(tl.float32), mask=mask)
+
+
+@triton.jit
+def _device_scalar_table_kernel(
+    table_ptr,
+    inputs_ptr,
+    corrections_ptr,
+    correction_index_ptr,
+    n,
+    BLOCK_N: tl.constexpr,
+):
+    _write_table_columns(table_ptr, inputs_ptr, corrections_ptr, correction_index_ptr, n, BLOCK_N)
+
+
+@triton.jit
+def _device_step_block(
+    offs,
+    in_bounds,
+    param_ptr,
+    grad_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    segment_ptr,
+    table_ptr,
+    addresses_ptr,
+    starts_ptr,
+    inputs_ptr,
+    corrections_ptr,
+    correction_index_ptr,
+    n_params,
+    PARAM_BF16: tl.constexpr,
+    GATHER: tl.constexpr,
+    DIV_RN: tl.constexpr,
+):
+    seg = tl.load(segment_ptr + offs, mask=in_bounds, other=0)
+    # Each element computes its own row's scalars, the same fp64 arithmetic as the table's: no program waits
+    # for another (one launch has no barrier between its programs).
+    step_size, eff_wd, active = _step_scalars(
+        seg, in_bounds, inputs_ptr, corrections_ptr, correction_index_ptr, n_params
+    )
+    mask = in_bounds & active
+    if GATHER:
+        g_bits = _gathered(offs, in_bounds, seg, grad_ptr, addresses_ptr, starts_ptr)
+        tl.store(grad_ptr + offs, g_bits, mask=in_bounds)  # the flat buffer holds the gathered gradient
+    else:
+        g_bits = tl.load(grad_ptr + offs, mask=mask, other=0)
+    row = table_ptr + seg * 8  # ROW_STRIDE
+    _adam_update(
+        offs, mask, g_bits, param_ptr, exp_avg_ptr, exp_avg_sq_ptr, row, step_size, eff_wd, PARAM_BF16, DIV_RN
+    )
+
+
+@triton.jit
+def _device_step_kernel(
+    param0_ptr,
+    grad0_ptr,
+    exp_avg0_ptr,
+    exp_avg_sq0_ptr,
+    segment0_ptr,
+    n0,
+    blocks0,
+    param1_ptr,
+    grad1_ptr,
+    exp_avg1_ptr,
+    exp_avg_sq1_ptr,
+    segment1_ptr,
+    n1,
+    table_ptr,
+    addresses_ptr,
+    starts_ptr,
+    inputs_ptr,
+    corrections_ptr,
+    correction_index_ptr,
+    n_params,
+    PARAM0_BF16: tl.constexpr,
+    PARAM1_BF16: tl.constexpr,
+    GATHER: tl.constexpr,
+    DIV_RN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Programs [0, blocks0) take group 0, the rest group 1 (as _fused_adam_two_groups_kernel splits them);
+    # the last program also writes the table's per-step columns, which no program reads.
+    pid = tl.program_id(0)
+    if pid < blocks0:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        _device_step_block(
+            offs,
+            offs < n0,
+            param0_ptr,
+            grad0_ptr,
+            exp_avg0_ptr,
+            exp_avg_sq0_ptr,
+            segment0_ptr,
+            table_ptr,
+            addresses_ptr,
+            starts_ptr,
+            inputs_ptr,
+            corrections_ptr,
+            correction_index_ptr,
+            n_params,
+            PARAM0_BF16,
+            GATHER,
+            DIV_RN,
+        )
+    else:
+        offs = (pid - blocks0) * BLOCK + tl.arange(0, BLOCK)
+        _device_step_block(
+            offs,
+            offs < n1,
+            param1_ptr,
+            grad1_ptr,
+            exp_avg1_ptr,
+            exp_avg_sq1_ptr,
+            segment1_ptr,
+            table_ptr,
+            addresses_ptr,
+            starts_ptr,
+            inputs_ptr,
+            corrections_ptr,
+            correction_index_ptr,
+            n_params,
+            PARAM1_BF16,
+            GATHER,
+            DIV_RN,
+        )
+    if pid == tl.num_programs(0) - 1:
+        _write_table_columns(table_ptr, inputs_ptr, corrections_ptr, correction_index_ptr, n_params, BLOCK_N)
 
 
 _inductor_div_rn: bool | None = None
@@ -509,6 +676,101 @@ def device_scalar_table_(
         BLOCK_N=max(16, triton.next_power_of_2(n)),
         enable_fp_fusion=False,  # fp64 products rounded one by one, as the host computes them in Python
     )
+
+
+def launch_device_step(
+    groups: Sequence[tuple],
+    table: torch.Tensor,
+    addresses: torch.Tensor,
+    starts: torch.Tensor,
+    inputs: torch.Tensor,
+    corrections: torch.Tensor,
+    correction_index: torch.Tensor,
+    block: int,
+    gather: bool,
+) -> None:
+    """The unchecked launch behind device_step_ (for callers that validated their buffers at construction)."""
+    first, second, n0, n1, blocks0, grid = _two_group_split(groups, block)
+    n = table.shape[0]
+    _device_step_kernel[grid](
+        _bits(first[0]),
+        _bits(first[1]),
+        first[2],
+        first[3],
+        first[4],
+        n0,
+        blocks0,
+        _bits(second[0]),
+        _bits(second[1]),
+        second[2],
+        second[3],
+        second[4],
+        n1,
+        table,
+        addresses,
+        starts,
+        inputs,
+        corrections,
+        correction_index,
+        n,
+        PARAM0_BF16=first[0].dtype == torch.bfloat16,
+        PARAM1_BF16=second[0].dtype == torch.bfloat16,
+        GATHER=gather,
+        DIV_RN=_div_rn(first[0].device),
+        BLOCK=block,
+        BLOCK_N=max(16, triton.next_power_of_2(n)),
+        enable_fp_fusion=False,  # fp32 Adam and fp64 scalars both rounded op by op (see the docstring)
+        num_warps=_NUM_WARPS,
+    )
+
+
+def device_step_(
+    groups: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+    table: torch.Tensor,
+    addresses: torch.Tensor,
+    starts: torch.Tensor,
+    inputs: torch.Tensor,
+    corrections: torch.Tensor,
+    correction_index: torch.Tensor,
+    *,
+    gather: bool = True,
+    block: int = DEFAULT_BLOCK,
+) -> None:
+    """One Adam step over one or two flat groups in one launch, with its scalars computed on the device.
+
+    What device_scalar_table_, then fused_adam_groups_ (and, with ``gather``, gather_grads_ before them) do
+    in three launches: each element computes its row's step_size and eff_wd from ``inputs``, ``corrections``
+    and ``correction_index`` (as device_scalar_table_ takes them) and reads beta1, 1 - beta1, beta2,
+    1 - beta2 and eps from ``table`` (SCALAR_COLUMNS); with ``gather`` it reads its gradient through
+    ``addresses`` and ``starts`` (as gather_grads_ takes them) and writes it into the flat grad buffer, else
+    it reads the flat buffer. One program also writes the table's step_size, eff_wd and active columns, so
+    that the table ends as device_scalar_table_ leaves it. ``addresses`` and ``inputs`` may be pinned host
+    tensors: the kernel then reads them in place, with no upload.
+    """
+    if not 1 <= len(groups) <= 2:
+        raise ValueError(f"device_step_ takes one or two groups, got {len(groups)}")
+    _check_block(block)
+    device = groups[0][0].device
+    for k, group in enumerate(groups):
+        _check_group(f"device_step_ group {k}", *group)
+        _check_table(table, group[0].device)
+    n = table.shape[0]
+    for what, t, dtype, shape in (
+        ("addresses", addresses, torch.int64, (n,)),
+        ("starts", starts, torch.int64, (n,)),
+        ("inputs", inputs, torch.float64, (len(STEP_INPUTS), n)),
+        ("correction_index", correction_index, torch.int32, (4, n)),
+    ):
+        readable = t.device == device or (device.type == "cuda" and t.is_pinned())
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or not readable:
+            raise ValueError(
+                f"device_step_: {what} must be a contiguous {dtype} tensor of shape {list(shape)} on {device}"
+                f"{' or pinned' if device.type == 'cuda' else ''}, got {t.dtype} {list(t.shape)} on "
+                f"{t.device}"
+            )
+    if corrections.dtype != torch.float64 or corrections.device != device:
+        raise ValueError(f"device_step_: corrections must be a float64 tensor on {device}")
+    launch_device_step(groups, table, addresses, starts, inputs, corrections, correction_index, block, gather)
 
 
 def _gather_launch(groups: Sequence[tuple], addresses, starts, block: int):
