@@ -23,8 +23,8 @@ elements, bf16 and fp32, three beta pairs). Paths, each from the same initial va
   host work (``host="python"``, perf/host_step.py) where ``device`` runs the C++ one;
 - ``device_torch_replay`` (only when named): ``device`` with its update graph replayed by torch after the
   host step has staged the rows, where ``device`` launches it from the host step;
-- ``device_uploads`` (only when named): ``device`` with its update graph copying the two pinned rows up
-  before its kernel, where ``device``'s kernel reads them in place;
+- ``device_rows_in_place`` (only when named): ``device`` with its update kernel reading the pinned rows
+  in place, where ``device``'s update graph copies them up first;
 - two floors (only when named; they update nothing, so they are timed, never compared):
   ``device_fence_graph``, ``device`` with its update graph swapped for the fence signal alone (what the
   graph's content costs the host: the most any change inside it can save), and ``device_floor``, the least
@@ -111,13 +111,13 @@ RECORD = [
 ADAM_LR, ADAM_EPS, ADAM_WD = 0.008, 1e-10, 0.005  # the record's Adam settings
 PATHS = ("per_param", "fused", "device", "torch_adam")
 # Selectable with --paths, not run by default: the device path laid out as with several processes, with its
-# host step in Python, with its update graph replayed by torch after the host step, with its rows uploaded by
-# the graph rather than read in place; and two floors under it.
+# host step in Python, with its update graph replayed by torch after the host step, with its kernel reading
+# the pinned rows in place; and two floors under it.
 EXTRA_PATHS = (
     "device_split",
     "device_python",
     "device_torch_replay",
-    "device_uploads",
+    "device_rows_in_place",
     "device_fence_graph",
     "device_floor",
 )
@@ -287,20 +287,20 @@ class DeviceTorchReplay(Device):
         self.opt._device_mode.replay_in_host_step = False
 
 
-class DeviceUploads(Device):
-    """impl="device" with its update graph uploading the pinned rows before its one kernel, where ``device``'s
-    kernel reads them in place: what the two copy nodes cost."""
+class DeviceRowsInPlace(Device):
+    """impl="device" with its update kernel reading the pinned rows in place over the bus and the fence's own
+    two nodes after it, where ``device`` copies the rows up in one node and its kernel signals the fence."""
 
     def __init__(self, params, cfgs, states, device, block):
         super().__init__(params, cfgs, states, device, block)
-        self.opt._device_mode.rows_in_place = False
+        self.opt._device_mode.rows_in_place = True
 
 
 class DeviceFenceGraph(Device):
     """impl="device" with its update graph swapped, once trusted, for a graph that holds only the fence signal
-    (a counter increment and its copy into pinned memory): the host step, its launch and the fence are the
-    device path's, the graph's kernel (the gather, the scalars and Adam) is gone. What
-    the update graph's content costs the host, so the most that any change inside the graph can save there.
+    (two nodes: a counter increment and its copy into pinned memory): the host step, its launch and the fence
+    are the device path's; the rows' copy and the kernel (the gather, the scalars, Adam and the fence's
+    signal) are gone. What the update graph's content costs the host beyond a graph of two small nodes.
     After the swap it updates nothing: timed, never compared. Without CUDA graphs (the CPU) there is nothing
     to swap and it runs as ``device``."""
 
@@ -430,7 +430,7 @@ PATH_CLASSES = {
     "device_split": DeviceSplit,
     "device_python": DevicePython,
     "device_torch_replay": DeviceTorchReplay,
-    "device_uploads": DeviceUploads,
+    "device_rows_in_place": DeviceRowsInPlace,
     "device_fence_graph": DeviceFenceGraph,
     "device_floor": DeviceFloor,
 }

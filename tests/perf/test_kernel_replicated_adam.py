@@ -570,3 +570,22 @@ def test_one_launch_device_step_refuses_bad_buffers_before_it_writes(key, corrup
     with pytest.raises(ValueError, match=match):
         _one_launch(case, BLOCK, gather=True)
     assert all(torch.equal(bits(t), b) for t, b in zip((t for g in case["groups"] for t in g[:4]), before))
+
+
+def test_one_launch_device_step_signals_a_fence_once_per_launch_with_the_same_bits():
+    from track_1_short.perf.graph_fence import GraphFence
+
+    signalled, plain = _device_step_case(), _device_step_case()
+    fence = GraphFence(torch.device("cpu"))
+    for launch in range(1, 4):
+        args = [plain[k] for k in ("groups", "table", "addresses", "starts", "inputs")]
+        args += [plain["corrections"], plain["correction_index"], BLOCK, True]
+        K.launch_device_step(*args)
+        args[0:5] = [signalled[k] for k in ("groups", "table", "addresses", "starts", "inputs")]
+        args[5:7] = [signalled["corrections"], signalled["correction_index"]]
+        K.launch_device_step(*args, fence=fence.signal_targets())
+        fence.count()
+        # The device counter and its host copy both moved by one: the fence has seen every launch.
+        assert fence.arrived == launch == int(fence.signal_targets()[0].item())
+        fence.wait()
+    _assert_same_step(plain, signalled)

@@ -359,19 +359,17 @@ def test_device_torch_replay_is_selectable_stages_without_launching_from_the_hos
     assert rows["device_torch_replay"]["bitwise"] is True
 
 
-def test_device_uploads_is_selectable_uploads_the_rows_and_ends_bitwise(tmp_path):
+def test_device_rows_in_place_is_selectable_and_ends_bitwise(tmp_path):
     params, cfgs, states = bench.build(bench.RECORD, CPU)
-    assert (
-        bench.PATH_CLASSES["device_uploads"](params, cfgs, states, CPU, 65536).opt._device_mode.rows_in_place
-        is False
-    )
+    path = bench.PATH_CLASSES["device_rows_in_place"](params, cfgs, states, CPU, 65536)
+    assert path.opt._device_mode.rows_in_place is True
     native = bench.PATH_CLASSES["device"](*bench.build(bench.RECORD, CPU), CPU, 65536)
-    assert native.opt._device_mode.rows_in_place is True
-    out = tmp_path / "uploads.json"
-    argv = ["--device", "cpu", "--record", "--paths", "per_param,device_uploads", "--reps", "2"]
+    assert native.opt._device_mode.rows_in_place is False
+    out = tmp_path / "rows_in_place.json"
+    argv = ["--device", "cpu", "--record", "--paths", "per_param,device_rows_in_place", "--reps", "2"]
     assert bench.main([*argv, "--warmup", "1", "--profile-steps", "1", "--out", str(out)]) == 0
     rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows["device_uploads"]["bitwise"] is True
+    assert rows["device_rows_in_place"]["bitwise"] is True
 
 
 class _Answers:

@@ -5,9 +5,9 @@ rewrites the pinned rows that the graph copies from. That is two CUDA calls per 
 H100 hosts measured in perf/RESULTS.md ("Replicated Adam: where each path's host time goes").
 
 Why it is faster: the graph ends with ``signal()``, two stream-ordered nodes: a device counter incremented,
-then copied into pinned host memory. The host counts the signals it has enqueued (``count()``) and compares
-that with the pinned copy, one load from memory. Only when the GPU is behind does the host wait, spinning on
-that load.
+then copied into pinned host memory (or a kernel of the graph writes both itself: ``signal_targets()``).
+The host counts the signals it has enqueued (``count()``) and compares that with the pinned copy, one load
+from memory. Only when the GPU is behind does the host wait, spinning on that load.
 
 Invariants (tests/perf/test_graph_fence.py):
 1. The pinned count never exceeds the signals enqueued, and ``wait()`` returns only once every signal
@@ -57,6 +57,12 @@ class GraphFence:
         """
         self._device_count.add_(1)
         self._host_count.copy_(self._device_count, non_blocking=True)
+
+    def signal_targets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device counter, pinned host count): what a kernel writes to signal the fence itself, where
+        signal() takes two nodes of their own. One program of the launch loads the counter, adds one and
+        stores the sum into both; the caller counts it as a signal (count()), as after signal()."""
+        return self._device_count, self._host_count
 
     def count(self) -> None:
         """One more signal enqueued: after an eager signal(), or after a replay of a graph that holds one."""

@@ -21,10 +21,11 @@ writing those rows is the host step of perf/host_step.py (C++ by default, its Py
   cannot leave a stale counter on the device.
 - One launch does it all (kernels.device_step_): with one process the gather, the scalars and Adam for every
   dtype; with several, the gather is its own launch before the reduce and this one reads the reduced
-  buffers. Under CUDA graphs it reads both pinned rows in place, over the bus (``rows_in_place``): the update
-  graph is that kernel and the fence's two nodes, where it held two uploads, the gather, a table kernel and
-  Adam before the fence (the host's launch of a graph grows with its nodes). Without graphs the rows go up
-  through UploadRing.
+  buffers. Under CUDA graphs the update graph is two nodes: one copy of both pinned rows (one buffer) and
+  that launch, which also signals the fence as it starts. It held seven: two uploads, the gather, a table
+  kernel, Adam and the fence's two nodes; the host's launch of a graph grows with its nodes. With
+  ``rows_in_place`` the launch reads the pinned rows over the bus instead of a copy, and the fence's own
+  two nodes follow it (three nodes). Without graphs the rows go up through UploadRing.
 - On CUDA the gather, the reduce (NCCL, with several processes) and the update are CUDA graphs, replayed.
   With one process there is no reduce to start early, so the gather waits for update() and rides in the
   update graph: one replay per Adam step (``stage_and_replay``). launch_reduce() then only reads the
@@ -135,8 +136,13 @@ class DeviceStep:
         self.group_args = [
             (group.param, group.grad, group.exp_avg, group.exp_avg_sq, group.segment) for group in self.groups
         ]
-        # Where each parameter's gradient is this step (0: none), and where its flat slice starts.
-        self.addresses = torch.zeros(n, dtype=torch.int64, device=device)
+        # The per-step rows in one buffer, so that one copy uploads both: the inputs (fp64 [len(STEP_INPUTS),
+        # n], STEP_INPUTS order) and where each parameter's gradient is this step (int64 [n], 0: none).
+        rows = len(STEP_INPUTS) + 1
+        self.rows = torch.zeros((rows, n), dtype=torch.float64, device=device)
+        self.inputs = self.rows[: len(STEP_INPUTS)]
+        self.addresses = self.rows[len(STEP_INPUTS)].view(torch.int64)
+        # Where each parameter's flat slice starts.
         starts = [0] * n
         for group in self.groups:
             for k, i in enumerate(group.indices):
@@ -145,15 +151,14 @@ class DeviceStep:
         self._gather = kernels.bind_gather_grads(
             [(group.grad, group.segment) for group in self.groups], self.addresses, self.starts, owner.block
         )
-        # Per-step inputs (fp64 [len(STEP_INPUTS), n]) go up through the pinned ring; everything that depends
-        # only on betas and eps is uploaded when they change (see _refresh_static).
-        self.inputs = torch.zeros((len(STEP_INPUTS), n), dtype=torch.float64, device=device)
+        # Everything that depends only on betas and eps is uploaded when they change (see _refresh_static).
         self.use_graphs = use_cuda_graphs and device.type == "cuda"
         if self.use_graphs:
             # The graphs read fixed pinned rows. The host rewrites them only once the fence signal at the
             # end of the last update graph has run, which follows the last gather in stream order.
-            self._pinned_addresses = torch.zeros(n, dtype=torch.int64, pin_memory=True)
-            self._pinned_inputs = torch.zeros(self.inputs.shape, dtype=torch.float64, pin_memory=True)
+            self._pinned_rows = torch.zeros(self.rows.shape, dtype=torch.float64, pin_memory=True)
+            self._pinned_inputs = self._pinned_rows[: len(STEP_INPUTS)]
+            self._pinned_addresses = self._pinned_rows[len(STEP_INPUTS)].view(torch.int64)
             self._fence = GraphFence(device)
         else:
             self.address_ring = UploadRing(self.addresses)
@@ -183,10 +188,11 @@ class DeviceStep:
         # The host step launches the trusted update graph in the call that stages its rows (stage_and_replay);
         # off, update() replays it through torch after stage_update (the bench's device_torch_replay path).
         self.replay_in_host_step = True
-        # With CUDA graphs the update kernel reads the pinned rows in place (the GPU loads them over the bus):
-        # no upload nodes in the update graph. Off, the graph uploads them first (the bench's device_uploads
-        # path). Set before the first Adam step: the graph is captured then.
-        self.rows_in_place = True
+        # Off (the default), the update graph copies both pinned rows up in one node and its kernel signals
+        # the fence as it starts: two nodes. On, the kernel reads the pinned rows in place over the bus and
+        # the fence's own two nodes follow it (the bench's device_rows_in_place path). Set before the first
+        # Adam step: the graph is captured then.
+        self.rows_in_place = False
         # The CUDA device whose current stream the host step launches on ("cuda" alone: the current one).
         current = device.type == "cuda" and device.index is None
         self._device_index = torch.cuda.current_device() if current else (device.index or 0)
@@ -330,31 +336,32 @@ class DeviceStep:
         return changed
 
     def _launch_step_kernels(self) -> None:
-        """What the update graph holds: the rows' uploads unless the kernel reads them in place, the one
-        launch (which gathers too when the gather waits for update(): one process), and the fence signal."""
-        if self.use_graphs and not self.rows_in_place:
-            # Host-to-device copy nodes from the pinned rows.
-            if self.gather_in_update:
-                self.addresses.copy_(self._pinned_addresses, non_blocking=True)
-            self.inputs.copy_(self._pinned_inputs, non_blocking=True)
+        """What the update graph holds: the rows' upload (one copy node) and the one launch, which signals
+        the fence as it starts; or, with rows_in_place, the launch reading the pinned rows and the fence's own
+        signal after it. The launch gathers too when the gather waits for update() (one process)."""
+        in_place = self.use_graphs and self.rows_in_place
+        if self.use_graphs and not in_place:
+            self.rows.copy_(self._pinned_rows, non_blocking=True)
         self._launch_update_kernels()
-        if self.use_graphs:
-            self._fence.signal()  # the pinned rows may be rewritten once this has run
+        if in_place:
+            self._fence.signal()  # after the kernel's reads of the pinned rows
 
     def _launch_update_kernels(self) -> None:
-        # The gather, the table and Adam for every dtype in one launch; with several processes the gather ran
-        # in launch_reduce() and the launch reads the reduced flat buffers.
+        # The gather, the scalars and Adam for every dtype in one launch; with several processes the gather
+        # ran in launch_reduce() and the launch reads the reduced flat buffers.
         in_place = self.use_graphs and self.rows_in_place
         kernels.launch_device_step(
             self.group_args,
             self.owner.table,
-            self._pinned_addresses if in_place and self.gather_in_update else self.addresses,
+            self._pinned_addresses if in_place else self.addresses,
             self.starts,
             self._pinned_inputs if in_place else self.inputs,
             self.corrections,
             self.correction_index,
             self.owner.block,
             gather=self.gather_in_update,
+            # Once the launch has started, the copy before it has read the pinned rows: they may be rewritten.
+            fence=self._fence.signal_targets() if self.use_graphs and not in_place else None,
         )
 
     def update(self) -> None:

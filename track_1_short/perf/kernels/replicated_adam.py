@@ -381,9 +381,12 @@ def _device_step_kernel(
     corrections_ptr,
     correction_index_ptr,
     n_params,
+    fence_device_ptr,
+    fence_host_ptr,
     PARAM0_BF16: tl.constexpr,
     PARAM1_BF16: tl.constexpr,
     GATHER: tl.constexpr,
+    SIGNAL: tl.constexpr,
     DIV_RN: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -391,6 +394,13 @@ def _device_step_kernel(
     # Programs [0, blocks0) take group 0, the rest group 1 (as _fused_adam_two_groups_kernel splits them);
     # the last program also writes the table's per-step columns, which no program reads.
     pid = tl.program_id(0)
+    if SIGNAL:
+        if pid == 0:
+            # A GraphFence signal: the launch has started, so the copies queued before it on the stream
+            # (the rows' upload) have run. One program, so a plain increment: no other program touches it.
+            count = tl.load(fence_device_ptr) + 1
+            tl.store(fence_device_ptr, count)
+            tl.store(fence_host_ptr, count)
     if pid < blocks0:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         _device_step_block(
@@ -688,10 +698,15 @@ def launch_device_step(
     correction_index: torch.Tensor,
     block: int,
     gather: bool,
+    fence: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """The unchecked launch behind device_step_ (for callers that validated their buffers at construction)."""
+    """The unchecked launch behind device_step_ (for callers that validated their buffers at construction).
+
+    ``fence``: (device count, pinned host count) of a GraphFence (its ``signal_targets()``) that the launch
+    signals as it starts, or None."""
     first, second, n0, n1, blocks0, grid = _two_group_split(groups, block)
     n = table.shape[0]
+    fence_device, fence_host = fence if fence is not None else (table, table)  # not read without SIGNAL
     _device_step_kernel[grid](
         _bits(first[0]),
         _bits(first[1]),
@@ -713,9 +728,12 @@ def launch_device_step(
         corrections,
         correction_index,
         n,
+        fence_device,
+        fence_host,
         PARAM0_BF16=first[0].dtype == torch.bfloat16,
         PARAM1_BF16=second[0].dtype == torch.bfloat16,
         GATHER=gather,
+        SIGNAL=fence is not None,
         DIV_RN=_div_rn(first[0].device),
         BLOCK=block,
         BLOCK_N=max(16, triton.next_power_of_2(n)),
