@@ -334,7 +334,11 @@ def two_ranks(uninterrupted, tmp_path_factory):
                 *CKPT,
                 "run_name=diverge",
                 "guards.checksum_every=2",
-                f"{fi}diverge_step=2",
+                # Flipped after step 3's update and compared in the same call (4 steps done). A flip one
+                # update earlier can be rounded away by it: when p - u falls halfway between two floats,
+                # p - u and (p + 1 ulp) - u both round to the even one (seen for post_lambdas[0] on a CPU
+                # with native bf16 GEMMs).
+                f"{fi}diverge_step=3",
                 f"{fi}diverge_label=post_lambdas",
                 f"{fi}diverge_rank=1",
             ),
@@ -430,7 +434,7 @@ def test_replica_divergence_stops_every_rank_naming_the_parameter(two_ranks):
         assert r["labels"] == ["post_lambdas"]
         assert "by step 4: 'post_lambdas' value (ranks agreeing: [[0], [1]])" in r["message"]
     d = two_ranks["root"] / "diverge"
-    # The checkpoint after 2 steps predates the flip; the one after 4 is never written.
+    # The checkpoint after 2 steps predates the flip (after step 3); the one after 4 is never written.
     assert [p.name for p in checkpoint.list_checkpoints(d / "checkpoints")] == ["step_000002.pt"]
 
 

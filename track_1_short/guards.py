@@ -84,7 +84,9 @@ class FaultInjectionConfig:
     nan_grad_value: str = "nan"
     """The value written: "nan", "inf" or "-inf"."""
     diverge_step: int = -1
-    """Training step after whose update one rank's replica of ``diverge_label`` is changed; -1 = never."""
+    """Training step after whose update one rank's replica of ``diverge_label`` is changed; -1 = never. Pick a
+    step that a checksum follows at once (``(diverge_step + 1) % checksum_every == 0``): an update in between
+    can round the one-ulp change away (p - u on a tie rounds to the same even float from p and p + 1 ulp)."""
     diverge_label: str = ""
     """Replicated label whose element 0 gets its lowest bit flipped on ``diverge_rank`` only."""
     diverge_rank: int = 1
