@@ -9,6 +9,9 @@
 #                         (GPU_TESTS="tests/perf/test_bank_graphs.py tests/optim": only those paths; the
 #                         whole GPU suite takes over 10 minutes on one H100, so split it where calls are capped)
 #         replicated_adam perf/bench_replicated_adam.py -> perf/results/replicated_adam.json
+#         replicated_adam_floors  perf/bench_replicated_adam.py --record --phases --reps 1000 --paths
+#                                 (the device path, device_rows_in_place and the two floors: floor_paths)
+#                                 -> perf/results/replicated_adam_floors.json
 #         replicated_adam_pieces  perf/bench_replicated_adam_pieces.py (where each path's host time goes)
 #                                 -> perf/results/replicated_adam_pieces.json
 #         optimizer       perf/bench_optimizer.py --bank-update eager compiled triton \
@@ -33,13 +36,13 @@
 # exits 1 naming the failed stages. With $OUT set, the logs grow there and each stage's JSON (and RESULTS.md)
 # is copied there when the stage ends, so a run cut short still hands back what it did. Flat names, at most
 # 10 files come back from a lent machine, so name fewer stages there: pytest_gpu.log, bench.log,
-# <name>_log.txt, <name>_events.jsonl, <name>.json, replicated_adam.json, replicated_adam_pieces.json,
-# optimizer.json, train_step.json, loss.json, scaling.json, RESULTS.md.
+# <name>_log.txt, <name>_events.jsonl, <name>.json, replicated_adam.json, replicated_adam_floors.json,
+# replicated_adam_pieces.json, optimizer.json, train_step.json, loss.json, scaling.json, RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-all_stages=(preset tests replicated_adam replicated_adam_pieces optimizer cascade_products train_step loss levers
-  scaling results)
+all_stages=(preset tests replicated_adam replicated_adam_floors replicated_adam_pieces optimizer cascade_products
+  train_step loss levers scaling results)
 stages=("$@")
 [[ ${#stages[@]} -gt 0 ]] || stages=("${all_stages[@]}")
 for s in "${stages[@]}"; do
@@ -141,6 +144,16 @@ bench() {  # name: perf/bench_<name>.py --out perf/results/<name>.json
   hand_back "$json"
 }
 
+# The device path beside its variants and the two floors under it (perf/bench_replicated_adam.py names them).
+floor_paths=per_param,fused,device,device_rows_in_place,device_fence_graph,device_floor
+
+floors() {  # perf/bench_replicated_adam.py --record over floor_paths -> perf/results/replicated_adam_floors.json
+  local json=perf/results/replicated_adam_floors.json
+  python3 perf/bench_replicated_adam.py --record --phases --reps 1000 --paths "$floor_paths" --out "$json" \
+    2>&1 | tee -a "$log" || return
+  hand_back "$json"
+}
+
 preset() {  # the one-GPU record preset through the trainer, then its figures (perf/run_summary.py)
   # The run directory stays out of $OUT (a run writes more files than come back); its log and events do.
   local name=${PRESET_NAME:-record_1gpu} runs date
@@ -203,6 +216,7 @@ for s in "${stages[@]}"; do
     levers) run_stage levers levers ;;
     scaling) run_stage scaling scaling ;;
     results) run_stage results results_md ;;
+    replicated_adam_floors) run_stage "$s" floors ;;
     *) run_stage "$s" bench "$s" ;;
   esac
 done

@@ -225,3 +225,14 @@ def test_run_gpu_levers_are_arms_the_train_step_bench_accepts():
     assert [name for name, _ in args.arms] == [line.split("=", 1)[0] for line in lines]
     for _, overrides in args.arms:
         bench.compose([*args.overrides, *overrides], "cpu", "/tmp/runs")  # Hydra refuses an unknown key
+
+
+def test_run_gpu_floor_paths_are_paths_the_replicated_adam_bench_knows():
+    # The floors stage names its paths in the script: a typo would cost a GPU run to find.
+    from tests.perf_scripts import load_perf_script
+
+    script = (REPO_ROOT / "perf" / "run_gpu.sh").read_text()
+    paths = script.split("\nfloor_paths=", 1)[1].split("\n", 1)[0].split(",")
+    bench = load_perf_script("bench_replicated_adam")
+    assert {"device", "device_floor", "device_fence_graph"} <= set(paths)
+    assert set(paths) <= set(bench.PATH_CLASSES), sorted(set(paths) - set(bench.PATH_CLASSES))
