@@ -3,10 +3,12 @@
 ``fused_adam_`` runs the Adam step of track_1_short/optim/adam.py over every element of one flat buffer (many
 small parameters laid end to end). Each element finds its parameter's row of an fp32 scalar table through an
 int32 segment id; the columns are SCALAR_COLUMNS. ``fused_adam_groups_`` does the same for up to two buffers
-(bf16 and fp32) in one launch, and ``device_scalar_table_`` fills the per-step columns of the table on the
+(bf16 and fp32) in one launch, ``device_scalar_table_`` fills the per-step columns of the table on the
 device from uploaded per-parameter inputs, and ``gather_grads_`` copies each parameter's gradient into its
-flat buffer from a table of addresses read on the device (both for the no-host-work mode of
-perf/replicated_adam_device.py).
+flat buffer from a table of addresses read on the device. ``device_step_`` is those three in one launch
+(the no-host-work mode of perf/replicated_adam_device.py; with several processes its gather stays a launch
+of its own, before the reduce): the three separate kernels are the reference it is tested against bit for
+bit, and each is tested against the host's own arithmetic.
 
 Numerics: the claim is bitwise equality with the reference step (compiled on CUDA, eager on the CPU).
 - fp32 throughout, one kernel statement per reference statement, operands in the reference's order; bf16
