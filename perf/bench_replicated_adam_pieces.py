@@ -25,8 +25,8 @@ nanoseconds each, charged to the piece). Pieces:
 - ``rest``: the call's time minus its pieces in the same repetition (Python between them, the no-op reduces
   of one process, the row writes into pinned memory).
 
-Reference rows (CUDA): a CUDA graph of one kernel replayed, the same kernel between the update graph's
-three copies (CopiesGraph) replayed, an event recorded, a finished event waited on, a kernel launched,
+Reference rows (CUDA): a CUDA graph of one kernel replayed, the same kernel between the copies that the
+update graph made before it became one copy and one kernel (CopiesGraph) replayed, an event recorded, a finished event waited on, a kernel launched,
 and the same event record as the first CUDA call after the backward (the backward's last kernels are
 launched from autograd's device thread; the first call from the main thread after it pays for the
 hand-over). Each row is the median and the 10th and 90th percentiles over the
@@ -146,11 +146,11 @@ def measure_path(path_name: str, device, reps: int, warmup: int, block: int, spi
 
 
 class CopiesGraph:
-    """A CUDA graph of one kernel between the copies that the device path's update graph makes: two uploads
-    from pinned rows (its addresses, int64 [13], and its inputs, fp64 [STEP_INPUTS, 13]) and the download of
-    its fence (GraphFence.signal: the counter's add, the kernel, and its copy into pinned memory). Replayed
-    beside the one-kernel graph, it says what those copy nodes add to a launch's host time, which is what
-    reading the rows in place from the kernels could save."""
+    """A CUDA graph of one kernel between the copies that the device path's update graph made before 0fb84b1:
+    two uploads from pinned rows (its addresses, int64 [13], and its inputs, fp64 [STEP_INPUTS, 13]) and the
+    download of its fence (GraphFence.signal: the counter's add, the kernel, and its copy into pinned
+    memory). Replayed beside the one-kernel graph, it says what those copy nodes add to a launch's host
+    time: what folding them into one copy and the kernel (the update graph since then) saves."""
 
     def __init__(self, device, n: int = len(bench.RECORD)):
         self.host_addresses = torch.zeros(n, dtype=torch.int64, pin_memory=True)
