@@ -26,11 +26,11 @@ nanoseconds each, charged to the piece). Pieces:
   of one process, the row writes into pinned memory).
 
 Reference rows (CUDA): a CUDA graph of one kernel replayed, the same kernel between the copies that the
-update graph made before it became one copy and one kernel (CopiesGraph) replayed, an event recorded, a finished event waited on, a kernel launched,
-and the same event record as the first CUDA call after the backward (the backward's last kernels are
-launched from autograd's device thread; the first call from the main thread after it pays for the
-hand-over). Each row is the median and the 10th and 90th percentiles over the
-repetitions. The wrapped paths end bitwise equal to each other (``bitwise``), as unwrapped ones do.
+update graph made before it became one copy and one kernel (CopiesGraph) replayed, an event recorded, a
+finished event waited on, a kernel launched, and the same event record as the first CUDA call after the
+backward (the backward's last kernels are launched from autograd's device thread; the first call from the
+main thread after it pays for the hand-over). Each row is the median and the 10th and 90th percentiles over
+the repetitions. The wrapped paths end bitwise equal to each other (``bitwise``), as unwrapped ones do.
 """
 
 from __future__ import annotations
