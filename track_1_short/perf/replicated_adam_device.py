@@ -46,9 +46,9 @@ Invariants (each tested in tests/perf/test_replicated_adam_device.py):
 3. The gather copies each gradient's bits as they are and writes zeros for a parameter without one; a
    parameter is active when it has a .grad at launch_reduce(), as in the fused path; a gradient that is not
    contiguous is refused, naming the parameter, before anything is written.
-4. A pinned row is rewritten only after the fence signal at the end of the last update graph has run, which
-   follows the last read of the rows (the update kernel's, or the copies' without rows_in_place) and the last
-   gather in stream order. A gradient dropped or replaced after launch_reduce() is safe:
+4. A pinned row is rewritten only after the last update graph's fence signal has run, which follows the last
+   read of the rows in stream order (the rows' copy, before the kernel that signals as it starts; with
+   rows_in_place the kernel itself, before the fence's own nodes) and the last gather. A gradient dropped or replaced after launch_reduce() is safe:
    with the gather in launch_reduce() its block is reused only by work queued behind the gather on the same
    stream; with the gather in update() launch_reduce() holds it. A gradient changed in place in between (an
    explicit in-place op, or a backward accumulating into it) is refused in update(), naming the parameter,
@@ -154,8 +154,8 @@ class DeviceStep:
         # Everything that depends only on betas and eps is uploaded when they change (see _refresh_static).
         self.use_graphs = use_cuda_graphs and device.type == "cuda"
         if self.use_graphs:
-            # The graphs read fixed pinned rows. The host rewrites them only once the fence signal at the
-            # end of the last update graph has run, which follows the last gather in stream order.
+            # The graphs read fixed pinned rows. The host rewrites them only once the last update graph's
+            # fence signal has run, which follows its reads of the rows and the last gather in stream order.
             self._pinned_rows = torch.zeros(self.rows.shape, dtype=torch.float64, pin_memory=True)
             self._pinned_inputs = self._pinned_rows[: len(STEP_INPUTS)]
             self._pinned_addresses = self._pinned_rows[len(STEP_INPUTS)].view(torch.int64)
