@@ -48,11 +48,12 @@ Invariants (each tested in tests/perf/test_replicated_adam_device.py):
    contiguous is refused, naming the parameter, before anything is written.
 4. A pinned row is rewritten only after the last update graph's fence signal has run, which follows the last
    read of the rows in stream order (the rows' copy, before the kernel that signals as it starts; with
-   rows_in_place the kernel itself, before the fence's own nodes) and the last gather. A gradient dropped or replaced after launch_reduce() is safe:
-   with the gather in launch_reduce() its block is reused only by work queued behind the gather on the same
-   stream; with the gather in update() launch_reduce() holds it. A gradient changed in place in between (an
-   explicit in-place op, or a backward accumulating into it) is refused in update(), naming the parameter,
-   before anything is written: the fused path would have copied the old values.
+   rows_in_place the kernel itself, before the fence's own nodes) and the last gather. A gradient dropped or
+   replaced after launch_reduce() is safe: with the gather in launch_reduce() its block is reused only by
+   work queued behind the gather on the same stream; with the gather in update() launch_reduce() holds it.
+   A gradient changed in place in between (an explicit in-place op, or a backward accumulating into it) is
+   refused in update(), naming the parameter, before anything is written: the fused path would have copied
+   the old values.
 5. A CUDA graph is trusted only after one replay matched the eager step bit for bit (a reduce graph that does
    not match is dropped on every rank, the reduce then stays eager).
 
