@@ -27,7 +27,7 @@ elements, bf16 and fp32, three beta pairs). Paths, each from the same initial va
   in place, where ``device``'s update graph copies them up first;
 - two floors (only when named; they update nothing, so they are timed, never compared):
   ``device_fence_graph``, ``device`` with its update graph swapped for the fence signal alone (what the
-  graph's content costs the host: the most any change inside it can save), and ``device_floor``, the least
+  graph's content costs the host beyond a graph of two small nodes), and ``device_floor``, the least
   any device-mode step can do with one process (take the gradients, one graph launch from C++, drop them).
 
 Method. One repetition of a path is its whole training-step share: one backward that delivers precomputed

@@ -495,18 +495,11 @@ def _three_launches(case, block):
     K.fused_adam_groups_(case["groups"], case["table"], block=block)
 
 
+_STEP_ARGS = ("groups", "table", "addresses", "starts", "inputs", "corrections", "correction_index")
+
+
 def _one_launch(case, block, gather):
-    K.device_step_(
-        case["groups"],
-        case["table"],
-        case["addresses"],
-        case["starts"],
-        case["inputs"],
-        case["corrections"],
-        case["correction_index"],
-        gather=gather,
-        block=block,
-    )
+    K.device_step_(*(case[k] for k in _STEP_ARGS), gather=gather, block=block)
 
 
 def _assert_same_step(a, b):
@@ -578,12 +571,8 @@ def test_one_launch_device_step_signals_a_fence_once_per_launch_with_the_same_bi
     signalled, plain = _device_step_case(), _device_step_case()
     fence = GraphFence(torch.device("cpu"))
     for launch in range(1, 4):
-        args = [plain[k] for k in ("groups", "table", "addresses", "starts", "inputs")]
-        args += [plain["corrections"], plain["correction_index"], BLOCK, True]
-        K.launch_device_step(*args)
-        args[0:5] = [signalled[k] for k in ("groups", "table", "addresses", "starts", "inputs")]
-        args[5:7] = [signalled["corrections"], signalled["correction_index"]]
-        K.launch_device_step(*args, fence=fence.signal_targets())
+        K.launch_device_step(*(plain[k] for k in _STEP_ARGS), BLOCK, True)
+        K.launch_device_step(*(signalled[k] for k in _STEP_ARGS), BLOCK, True, fence=fence.signal_targets())
         fence.count()
         # The device counter and its host copy both moved by one: the fence has seen every launch.
         assert fence.arrived == launch == int(fence.signal_targets()[0].item())

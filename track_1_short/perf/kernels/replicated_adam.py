@@ -68,22 +68,6 @@ _NUM_WARPS = 4
 
 
 @triton.jit
-def _adam_math(g, p, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, eff_wd, DIV_RN):
-    # Every multiply and add rounded on its own (launched with enable_fp_fusion=False, see the docstring).
-    m = beta1 * m + one_minus_beta1 * g  # beta1 * exp_avg + (1 - beta1) * g
-    v = beta2 * v + one_minus_beta2 * (g * g)  # beta2 * exp_avg_sq + (1 - beta2) * (g * g)
-    denom = tl.sqrt_rn(v) + eps  # v.sqrt() + eps
-    if DIV_RN:
-        ratio = tl.math.div_rn(m, denom)  # m / (...), Inductor with division rounding on
-    else:
-        ratio = m / denom  # m / (...), Inductor's default lowering
-    u = ratio * step_size  # ... * step_size
-    u = tl.where(u * p > 0.0, u + eff_wd * p, u)  # torch.where(u * p > 0, u + eff_wd * p, u)
-    p = p - u  # param.copy_(p - u)
-    return p, m, v
-
-
-@triton.jit
 def _adam_update(
     offs,
     mask,
@@ -112,9 +96,19 @@ def _adam_update(
         p = tl.load(param_ptr + offs, mask=mask, other=0.0)
     m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
-    p, m, v = _adam_math(
-        g, p, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, eff_wd, DIV_RN
-    )
+
+    # Every multiply and add rounded on its own (launched with enable_fp_fusion=False, see the docstring).
+    m = beta1 * m + one_minus_beta1 * g  # beta1 * exp_avg + (1 - beta1) * g
+    v = beta2 * v + one_minus_beta2 * (g * g)  # beta2 * exp_avg_sq + (1 - beta2) * (g * g)
+    denom = tl.sqrt_rn(v) + eps  # v.sqrt() + eps
+    if DIV_RN:
+        ratio = tl.math.div_rn(m, denom)  # m / (...), Inductor with division rounding on
+    else:
+        ratio = m / denom  # m / (...), Inductor's default lowering
+    u = ratio * step_size  # ... * step_size
+    u = tl.where(u * p > 0.0, u + eff_wd * p, u)  # torch.where(u * p > 0, u + eff_wd * p, u)
+    p = p - u  # param.copy_(p - u)
+
     tl.store(exp_avg_ptr + offs, m, mask=mask)
     tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
     if PARAM_BF16:
