@@ -33,8 +33,9 @@
 # antlr4: their wheels travel in .whl/ and are installed into .site/; nothing else is installed.
 # GIT_COMMIT=<sha> names the commit in every JSON, where the machine's copy of .git may be stale.
 # A failing stage is reported loudly and the later stages still run (GPU time is scarce); the script then
-# exits 1 naming the failed stages. With $OUT set, the logs grow there and each stage's JSON (and RESULTS.md)
-# is copied there when the stage ends, so a run cut short still hands back what it did. Flat names, at most
+# exits 1 naming the failed stages. Killed inside a stage (a timeout), it names that stage as cut short and
+# exits non-zero. With $OUT set, the logs grow there and each stage's JSON (and RESULTS.md) is copied there
+# when the stage ends, so a run cut short still hands back what it did. Flat names, at most
 # 10 files come back from a lent machine, so name fewer stages there: pytest_gpu.log, bench.log,
 # <name>_log.txt, <name>_events.jsonl, <name>.json, replicated_adam.json, replicated_adam_floors.json,
 # replicated_adam_pieces.json, optimizer.json, train_step.json, loss.json, scaling.json, RESULTS.md.
@@ -70,9 +71,18 @@ hand_back() {  # file: copy it next to the logs (nothing to do without $OUT)
   if [[ -n ${OUT:-} ]]; then cp "$1" "$OUT/$(basename "$1")"; fi
 }
 
+current=""  # the stage running now, named if the script is killed inside it
+
 summary() {
   local rc=$?
-  if [[ ${#failed[@]} -gt 0 ]]; then
+  if [[ -n $current ]]; then
+    # Killed mid-stage (a timeout's TERM, a ^C): bash runs this trap with the status of the last command that
+    # finished, often 0, so the stage itself says the run is not whole; its processes are stopped with it.
+    echo "run_gpu.sh: FAILED: stage '$current' was cut short (killed or interrupted; logs in $logs)" \
+      | tee -a "$log" >&2
+    pkill -TERM -P $$ 2>/dev/null || true
+    [[ $rc -ne 0 ]] || rc=143
+  elif [[ ${#failed[@]} -gt 0 ]]; then
     echo "run_gpu.sh: FAILED stage(s): ${failed[*]} (logs in $logs)" >&2
     rc=1
   elif [[ $rc -ne 0 ]]; then
@@ -109,7 +119,9 @@ run_stage() {  # name command...: run it, report its time, remember a failure an
   local name=$1 start=$SECONDS rc=0
   shift
   echo "=== $name: $*" | tee -a "$log"
+  current=$name
   "$@" || rc=$?
+  current=""
   if [[ $rc -eq 0 ]]; then
     echo "=== $name: ok in $((SECONDS - start)) s" | tee -a "$log"
   else

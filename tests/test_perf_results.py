@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -207,6 +208,59 @@ def test_run_gpu_without_a_gpu_fails_loudly_and_still_copies_its_log(tmp_path):
     assert "no CUDA device" in proc.stderr and "FAILED" in proc.stderr
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["bench.log"]
     assert "no CUDA device" in (tmp_path / "out" / "bench.log").read_text()
+
+
+def process_is_gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # exited, waiting for a parent that is gone to reap it
+
+
+def test_run_gpu_killed_inside_a_stage_names_it_as_cut_short_and_stops_its_processes(tmp_path):
+    # A timeout's TERM lands mid-stage: bash runs the exit trap with the last finished command's status (0),
+    # which once read "all stages passed" for a test run that never finished. The results stage (the one
+    # that runs without a GPU) is made to stall by a python3 that sleeps in its place.
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    started = tmp_path / "stage_started"
+    (shim / "python3").write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [[ $1 == perf/results.py ]]; then echo $$ > "{started}"; exec sleep 60; fi\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    (shim / "python3").chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PATH": f"{shim}:{os.environ['PATH']}"}
+    proc = subprocess.Popen(
+        ["bash", str(REPO_ROOT / "perf" / "run_gpu.sh"), "results"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for _ in range(600):
+            if started.exists() and started.read_text().strip():
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        else:
+            pytest.fail("the results stage never started")
+        stage_pid = int(started.read_text())
+        proc.terminate()
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert "stage 'results' was cut short" in stderr
+    assert "all stages passed" not in stdout
+    assert "was cut short" in (tmp_path / "out" / "bench.log").read_text()
+    for _ in range(50):
+        if process_is_gone(stage_pid):
+            break
+        time.sleep(0.1)
+    assert process_is_gone(stage_pid), "the cut-short stage's process outlived the script"
 
 
 def test_run_gpu_levers_are_arms_the_train_step_bench_accepts():
