@@ -25,7 +25,10 @@ writing those rows is the host step of perf/host_step.py (C++ by default, its Py
   that launch, which also signals the fence as it starts. It held seven: two uploads, the gather, a table
   kernel, Adam and the fence's two nodes; the host's launch of a graph grows with its nodes. With
   ``rows_in_place`` the launch reads the pinned rows over the bus instead of a copy, and the fence's own
-  two nodes follow it (three nodes). Without graphs the rows go up through UploadRing.
+  two nodes follow it (three nodes); off by default, as on one H100 it saved the host 6.5 to 7.9 us (inside
+  the noise) and cost the kernel 27 to 29 us more GPU time
+  (perf/results/replicated_adam_floors_one_launch_h100.json). Without graphs the rows go up through
+  UploadRing.
 - On CUDA the gather, the reduce (NCCL, with several processes) and the update are CUDA graphs, replayed.
   With one process there is no reduce to start early, so the gather waits for update() and rides in the
   update graph: one replay per Adam step (``stage_and_replay``). launch_reduce() then only reads the
