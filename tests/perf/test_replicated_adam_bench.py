@@ -318,14 +318,19 @@ def test_on_cuda_the_event_that_closes_a_repetition_is_inside_its_host_time(fake
     assert samples["backward_only"].host == pytest.approx(np.full(4, 100e-6 + event_cost))
 
 
+def _rows_beside_per_param(tmp_path, path: str) -> dict:
+    """The bench's rows (by path) for ``path`` run beside per_param on the CPU, two repetitions."""
+    out = tmp_path / f"{path}.json"
+    argv = ["--device", "cpu", "--record", "--paths", f"per_param,{path}", "--reps", "2"]
+    assert bench.main([*argv, "--warmup", "1", "--profile-steps", "1", "--out", str(out)]) == 0
+    return {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+
+
 def test_device_split_is_selectable_gathers_in_launch_reduce_and_ends_bitwise_equal(tmp_path):
     params, cfgs, states = bench.build(bench.RECORD, CPU)
     split = bench.PATH_CLASSES["device_split"](params, cfgs, states, CPU, 65536)
     assert split.opt._device_mode.gather_in_update is False  # one process would gather in update()
-    out = tmp_path / "split.json"
-    argv = ["--device", "cpu", "--record", "--paths", "per_param,device_split", "--reps", "2"]
-    assert bench.main([*argv, "--warmup", "1", "--profile-steps", "1", "--out", str(out)]) == 0
-    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = _rows_beside_per_param(tmp_path, "device_split")
     assert rows["device_split"]["bitwise"] is True
 
 
@@ -337,10 +342,7 @@ def test_device_python_is_selectable_runs_the_python_host_step_and_ends_bitwise_
     assert isinstance(path.opt._device_mode.host, PythonHostStep)
     native = bench.PATH_CLASSES["device"](*bench.build(bench.RECORD, CPU), CPU, 65536)
     assert not isinstance(native.opt._device_mode.host, PythonHostStep)
-    out = tmp_path / "python_host.json"
-    argv = ["--device", "cpu", "--record", "--paths", "per_param,device_python", "--reps", "2"]
-    assert bench.main([*argv, "--warmup", "1", "--profile-steps", "1", "--out", str(out)]) == 0
-    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = _rows_beside_per_param(tmp_path, "device_python")
     assert rows["device_python"]["bitwise"] is True
 
 
@@ -352,10 +354,7 @@ def test_device_torch_replay_is_selectable_stages_without_launching_from_the_hos
     assert path.opt._device_mode.replay_in_host_step is False
     native = bench.PATH_CLASSES["device"](*bench.build(bench.RECORD, CPU), CPU, 65536)
     assert native.opt._device_mode.replay_in_host_step is True
-    out = tmp_path / "torch_replay.json"
-    argv = ["--device", "cpu", "--record", "--paths", "per_param,device_torch_replay", "--reps", "2"]
-    assert bench.main([*argv, "--warmup", "1", "--profile-steps", "1", "--out", str(out)]) == 0
-    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = _rows_beside_per_param(tmp_path, "device_torch_replay")
     assert rows["device_torch_replay"]["bitwise"] is True
 
 
@@ -365,10 +364,7 @@ def test_device_rows_in_place_is_selectable_and_ends_bitwise(tmp_path):
     assert path.opt._device_mode.rows_in_place is True
     native = bench.PATH_CLASSES["device"](*bench.build(bench.RECORD, CPU), CPU, 65536)
     assert native.opt._device_mode.rows_in_place is False
-    out = tmp_path / "rows_in_place.json"
-    argv = ["--device", "cpu", "--record", "--paths", "per_param,device_rows_in_place", "--reps", "2"]
-    assert bench.main([*argv, "--warmup", "1", "--profile-steps", "1", "--out", str(out)]) == 0
-    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = _rows_beside_per_param(tmp_path, "device_rows_in_place")
     assert rows["device_rows_in_place"]["bitwise"] is True
 
 
@@ -445,10 +441,7 @@ def test_device_floor_takes_the_gradients_makes_one_call_drops_them_and_is_never
     assert runner.path.count.item() == 1  # off CUDA: one op where a GPU makes its one launch
     assert all(torch.equal(p, b) for p, b in zip(params, before))  # it updates nothing
 
-    out = tmp_path / "floor.json"
-    argv = ["--device", "cpu", "--record", "--paths", "per_param,device_floor", "--reps", "2"]
-    assert bench.main([*argv, "--warmup", "1", "--profile-steps", "1", "--out", str(out)]) == 0
-    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = _rows_beside_per_param(tmp_path, "device_floor")
     assert rows["device_floor"]["bitwise"] is None and rows["per_param"]["bitwise"] is True
     assert rows["device_floor"]["launches"] == 1
 
@@ -461,10 +454,7 @@ def test_device_fence_graph_runs_as_device_without_graphs_and_is_never_compared(
         reference()
     assert runner.path.swapped_graph is None  # no CUDA graphs on the CPU: nothing to swap
     assert all(bench.same_bits(p, q) for p, q in zip(params, ref_params))
-    out = tmp_path / "fence_graph.json"
-    argv = ["--device", "cpu", "--record", "--paths", "per_param,device_fence_graph", "--reps", "2"]
-    assert bench.main([*argv, "--warmup", "1", "--profile-steps", "1", "--out", str(out)]) == 0
-    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = _rows_beside_per_param(tmp_path, "device_fence_graph")
     assert rows["device_fence_graph"]["bitwise"] is None
 
 
