@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from track_1_short.model.gpt import ModelConfig
+from track_1_short.model.config import ModelConfig
 from track_1_short.model.layers import LOSS_IMPLS, softcapped_cross_entropy_sum
 from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
 

@@ -24,7 +24,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from track_1_short import schedule
-from track_1_short.model.gpt import ModelConfig, flops_per_token
+from track_1_short.model.config import ModelConfig
+from track_1_short.model.gpt import flops_per_token
 from track_1_short.perf.bench_meta import write_bench_json
 from track_1_short.run_log import read_events
 

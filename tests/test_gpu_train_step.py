@@ -34,7 +34,8 @@ def load_structured(dataclass_type, path):
 @pytest.mark.gpu
 def test_one_compiled_track1_step_is_finite_moves_every_trained_parameter_and_lowers_the_loss():
     from track_1_short.data import GPT2_BOS_ID
-    from track_1_short.model.gpt import GPT, ModelConfig
+    from track_1_short.model.config import ModelConfig
+    from track_1_short.model.gpt import GPT
     from track_1_short.optim.anvil import AnvilAndAdam, OptimConfig
 
     configs = REPO_ROOT / "configs"

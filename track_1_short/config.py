@@ -1,6 +1,6 @@
 """The run-level config schema: one dataclass per Hydra group, composed into :class:`TrainConfig`.
 
-Each group's dataclass lives next to its owner (ModelConfig in model/gpt.py, DataConfig in data.py,
+Each group's dataclass lives next to its owner (ModelConfig in model/config.py, DataConfig in data.py,
 OptimConfig in optim/anvil.py, ScheduleConfig in schedule.py); this module adds the run fields and registers
 the whole tree in Hydra's ConfigStore as ``train_schema``. ``configs/train.yaml`` names that schema first in
 its defaults list, so every group file and every command-line override is merged into typed nodes: an unknown
@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from track_1_short.data import DataConfig
 from track_1_short.guards import FaultInjectionConfig, GuardConfig
-from track_1_short.model.gpt import ModelConfig
+from track_1_short.model.config import ModelConfig
 from track_1_short.optim.anvil import OptimConfig
 from track_1_short.perf.cpu_bf16_matmul import SETTINGS as CPU_BF16_MATMUL_SETTINGS
 from track_1_short.schedule import ScheduleConfig

@@ -8,7 +8,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from track_1_short.model.gpt import GPT, ModelConfig
+from track_1_short.model.config import ModelConfig
+from track_1_short.model.gpt import GPT
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "model"
 BOS = 50256

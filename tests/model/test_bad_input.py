@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.model.conftest import load_config, packed_batch
-from track_1_short.model.gpt import GPT, ModelConfig, ModelConfigError
+from track_1_short.model.config import ModelConfig, ModelConfigError
+from track_1_short.model.gpt import GPT
 
 WINDOWS = (1, 3)
 

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.model.conftest import BOS, load_config, packed_batch
-from track_1_short.model.gpt import GPT, MUDD_COEFS, ModelConfig, flops_per_token
+from track_1_short.model.config import MUDD_COEFS, ModelConfig
+from track_1_short.model.gpt import GPT, flops_per_token
 from track_1_short.model.layers import relu2_mlp, rope_base_frequencies, yarn_rescale_
 
 WINDOWS = (1, 3)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.model.conftest import load_config
-from track_1_short.model.gpt import GPT, ModelConfig
+from track_1_short.model.config import ModelConfig
+from track_1_short.model.gpt import GPT
 from track_1_short.optim.anvil import OptimConfig
 from track_1_short.optim.param_config import build_param_configs, labelled_params
 

@@ -14,7 +14,7 @@ import torch
 
 from tests.model.conftest import packed_batch
 from track_1_short.compile_watch import graphs_made
-from track_1_short.model.gpt import ModelConfigError
+from track_1_short.model.config import ModelConfigError
 
 STAGES = [(1, 3), (3, 7), (5, 11)]
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.perf.compile_sm90 import compile_outside_the_interpreter
-from track_1_short.model.gpt import ModelConfig, ModelConfigError
+from track_1_short.model.config import ModelConfig, ModelConfigError
 from track_1_short.model.layers import relu2_mlp
 from track_1_short.perf.kernels import relu2_mlp as kernel_module
 from track_1_short.perf.kernels.relu2_mlp import linear_relu2, relu2_mlp_fused

@@ -13,7 +13,7 @@ import torch
 
 from tests.model.test_layers import CAP, SHIFT, TEMP
 from tests.perf.compile_sm90 import compile_outside_the_interpreter
-from track_1_short.model.gpt import ModelConfig, ModelConfigError
+from track_1_short.model.config import ModelConfig, ModelConfigError
 from track_1_short.model.layers import (
     _fused_block,
     _reference_block,
