@@ -2,23 +2,21 @@
 against the floor at this run's measured rates.
 
     python perf/bench_cascade_products.py --out perf/results/cascade_products.json      # CUDA
-    python perf/bench_cascade_products.py --sym-configs 128,64,8,4 64,64,4,3 --out /tmp/p.json  # tiles
     python perf/bench_cascade_products.py --device cpu --out /tmp/p.json                # small, torch only
 
 perf/bench_optimizer.py times the whole cascade of a bank; this splits a round (track_1_short/optim/
 polar_express.py) into the products the routes compute, each through the function the route itself calls:
 
-- ``gram``, A = X^T X (tall) or X X^T: ``bmm`` (every route but triton), ``sym_gram`` (route triton; the
-  tiles on or above the diagonal, one row per ``--sym-configs`` entry, block,block_k,warps,stages);
-- ``poly``, b A + c A A: ``baddbmm`` (routes bmm and folded, and every route's last round), ``square``
-  (route squared: the shifted Gram times itself with its two diagonal adds), ``sym_poly`` (route triton);
+- ``gram``, A = X^T X (tall) or X X^T: ``bmm`` (every route);
+- ``poly``, b A + c A A: ``baddbmm`` (route bmm, and every route's last round), ``square`` (route squared:
+  the shifted Gram times itself with its two diagonal adds);
 - ``apply``, the application to X: ``baddbmm`` (a X + X B: route bmm and every route's last round), ``bmm``
-  (X F: the folded rounds of folded and squared);
+  (X F: the folded rounds of squared);
 - ``normalise``, the Gram divided by one fp32 number per matrix and rounded to bf16: ``torch.div``, and on
   CUDA ``bf16_div`` (track_1_short/perf/kernels/bf16_div.py, what scaled_to_bf16 takes there);
-- ``cascade``, the whole ``orthogonalize`` through each route that needs no Triton (``CASCADE_ROUTES``),
-  whatever ``route_for`` would give the bank: the measurement behind ``route_for`` (the Gram-space route
-  pays only on large, long matrices). Its floor counts the route's own matmuls (``cascade_flops``).
+- ``cascade``, the whole ``orthogonalize`` through each route (``polar_express.GRAMS``), whatever
+  ``route_for`` would give the bank: the measurement behind ``route_for`` (the Gram-space route pays only on
+  large, long matrices). Its floor counts the route's own matmuls (``cascade_flops``).
 
 Columns: ``us`` the mean per call (on CUDA, ``--calls`` calls captured in one CUDA graph and replayed
 ``--steps`` times after ``--warmup``; on the CPU perf_counter), ``us_floor`` the product's matmul FLOPs as
@@ -40,28 +38,13 @@ from collections.abc import Callable
 import torch
 
 from track_1_short.optim import polar_express as pe
-from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
-from track_1_short.perf.bench_timing import copy_gbps, graph_replay, matmul_tflops, time_ms
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_meta import bench_metadata, write_bench_json  # noqa: E402
 from bench_optimizer import SMALL_BANKS, TRACK1_BANKS  # noqa: E402 - the sibling script's bank shapes
+from bench_timing import copy_gbps, graph_replay, matmul_tflops, time_ms  # noqa: E402
 
 ROUND = 1  # the round whose coefficients the products use (any folded round: the cost does not depend on it)
-CASCADE_ROUTES = tuple(g for g in pe.GRAMS if g != "triton")  # the routes that need no Triton
-
-
-def parse_config(text: str) -> tuple[int, int, int, int]:
-    """``block,block_k,warps,stages`` -> a tuple of four ints (argparse type)."""
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        values = ()
-    if len(values) != 4:
-        raise argparse.ArgumentTypeError(
-            "--sym-configs: expected block,block_k,warps,stages (four integers, e.g. 128,64,8,4),"
-            f" got {text!r}"
-        )
-    return values  # type: ignore[return-value]
 
 
 def bank_inputs(shape: list[int], device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -70,26 +53,25 @@ def bank_inputs(shape: list[int], device: torch.device, seed: int) -> tuple[torc
     x = torch.randn(shape, generator=gen)
     x = (x / (1.1 * x.norm(dim=(-2, -1), keepdim=True))).bfloat16().to(device)
     tall = x.size(-2) > x.size(-1)
-    return x, pe._gram(x, tall, "bmm"), tall
+    return x, pe._gram(x, tall), tall
 
 
 def implementations(
     x: torch.Tensor,
     big_a: torch.Tensor,
     tall: bool,
-    sym_configs: list[tuple[int, int, int, int]],
 ) -> dict[str, list[tuple[str, Callable[[], torch.Tensor]]]]:
     """product -> [(implementation, call)], the first of each the reference its bits are compared with."""
     a, b, c = pe.ANVIL_MAPS[ROUND]
     delta, gamma = pe._SQUARED_ROUNDS[ROUND]
     scratch = big_a.clone()
-    factor = pe._poly(big_a, b, c, "bmm")
+    factor = pe._poly(big_a, b, c)
     factor.diagonal(dim1=-2, dim2=-1).add_(a)
     divisor = big_a.float().diagonal(dim1=-2, dim2=-1).sum(-1).view(-1, 1, 1) + 1.0
     out = {
-        "gram": [("bmm", lambda: pe._gram(x, tall, "bmm"))],
+        "gram": [("bmm", lambda: pe._gram(x, tall))],
         "poly": [
-            ("baddbmm", lambda: pe._poly(big_a, b, c, "bmm")),
+            ("baddbmm", lambda: pe._poly(big_a, b, c)),
             ("square", lambda: pe._squared_poly(scratch, delta, gamma)),
         ],
         "apply": [
@@ -97,32 +79,17 @@ def implementations(
             ("bmm", lambda: pe._apply(x, factor, tall)),
         ],
         "normalise": [("torch.div", lambda: torch.div(big_a, divisor, out=torch.empty_like(big_a)))],
-        "cascade": [(g, lambda g=g: pe.orthogonalize(x, gram=g)) for g in CASCADE_ROUTES],
+        "cascade": [(g, lambda g=g: pe.orthogonalize(x, gram=g)) for g in pe.GRAMS],
     }
     if big_a.is_cuda:
         from track_1_short.perf.kernels import bf16_div
 
         out["normalise"].append(("bf16_div", lambda: bf16_div.div_(big_a, divisor, torch.empty_like(big_a))))
-    if sym_configs:
-        from track_1_short.perf.kernels import sym_gram
-
-        s = big_a.size(-1)
-        for blk, blk_k, warps, stages in sym_configs:
-            name = f"b{blk} k{blk_k} w{warps} s{stages}"
-            knobs = dict(block=blk, block_k=blk_k, num_warps=warps, num_stages=stages)
-            gram_out = x.new_empty((x.size(0), s, s))
-            poly_out = torch.empty_like(big_a)
-            out["gram"].append(
-                (f"sym_gram {name}", lambda k=knobs, o=gram_out: sym_gram.gram_(x, o, tall, **k))
-            )
-            out["poly"].append(
-                (f"sym_poly {name}", lambda k=knobs, o=poly_out: sym_gram.sym_poly_(big_a, o, b, c, **k))
-            )
     return out
 
 
 def flops(product: str, batch: int, rows: int, cols: int, impl: str) -> int:
-    # 2 per multiply-add, as plain matmuls (the symmetric kernels do a little over half of gram and poly).
+    # 2 per multiply-add, as plain matmuls.
     if product == "cascade":
         return pe.cascade_flops(batch, rows, cols, impl)
     s, long = min(rows, cols), max(rows, cols)
@@ -153,13 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed replays first")
     parser.add_argument("--calls", type=int, default=10, help="calls captured in one CUDA graph (CUDA only)")
     parser.add_argument(
-        "--sym-configs",
-        type=parse_config,
-        nargs="*",
-        default=None,
-        help="sym_gram tiles as block,block_k,warps,stages (default: the module's on CUDA, none on the CPU)",
-    )
-    parser.add_argument(
         "--matmul-size", type=int, default=None, help="n of the rate probe (8192 cuda, 512 cpu)"
     )
     parser.add_argument("--out", required=True, help="JSON path for the results")
@@ -169,14 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     cuda = device.type == "cuda"
     banks = TRACK1_BANKS if (args.shapes or ("track1" if cuda else "small")) == "track1" else SMALL_BANKS
     steps = args.steps if args.steps is not None else (20 if cuda else 3)
-    if args.sym_configs is None:
-        from_module = None
-        if cuda:
-            from track_1_short.perf.kernels import sym_gram
-
-            from_module = (sym_gram.DEFAULT_BLOCK, sym_gram.DEFAULT_BLOCK_K, sym_gram.DEFAULT_NUM_WARPS,
-                           sym_gram.DEFAULT_NUM_STAGES)  # fmt: skip
-        args.sym_configs = [from_module] if from_module else []
     tflops = matmul_tflops(device, args.matmul_size or (8192 if cuda else 512))
     gbps = copy_gbps(device, 1 << (28 if cuda else 22))
     print(f"{device.type}; bf16 matmul {tflops:.2f} TFLOP/s, copy {gbps:.0f} GB/s")
@@ -186,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         x, big_a, tall = bank_inputs(reshape, device, seed)
         batch, r, c = reshape
         moved = 4 * big_a.numel()  # normalise: read and write a bf16 [B, s, s]
-        for product, impls in implementations(x, big_a, tall, args.sym_configs).items():
+        for product, impls in implementations(x, big_a, tall).items():
             for i, (impl, call) in enumerate(impls):
                 work = flops(product, batch, r, c, impl)
                 bits = call().view(torch.int16)  # before timing: "square" shifts its scratch Gram per call

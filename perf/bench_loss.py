@@ -2,12 +2,10 @@
 
     python perf/bench_loss.py --out perf/results/loss.json                      # CUDA, the record's shapes
     python perf/bench_loss.py --device cpu --tokens 512 --vocab 2176 --out /tmp/loss.json   # CPU, small
-    python perf/bench_loss.py --programs-per-sm 0 1 2 4 --out /tmp/loss.json   # the fused kernel's grids
 
 Times ``softcapped_cross_entropy_sum`` (model/layers.py, the trainer's own loss) on hidden states x [T, D]
 and the lm_head [D, V] in bf16, with the record's three MTP weights, for each implementation: its forward
-(which computes the gradients, chunk by chunk) and the backward that scales them. Rows, one per impl, and
-for ``fused`` one per ``--programs-per-sm`` (model.loss_programs_per_sm: 0 is one program per row):
+(which computes the gradients, chunk by chunk) and the backward that scales them. Rows, one per impl:
 
 - ``ms``: median over ``--steps`` after ``--warmup`` (CUDA events on the GPU, perf_counter on the CPU), with
   ``ms_min`` and ``ms_max``; ``vs_reference``: the reference row's ``ms`` over this row's;
@@ -15,9 +13,7 @@ for ``fused`` one per ``--programs-per-sm`` (model.loss_programs_per_sm: 0 is on
   the same run, plus the fused kernel's least traffic (read the bf16 logits twice, write the gradient once:
   6 bytes per logit) at the device-to-device copy rate measured in the same run;
 - ``loss_rel_diff``, ``grad_x_rel_diff``, ``grad_w_rel_diff``: this impl against the reference (relative
-  norm of the difference), the agreement tests/perf/test_softcapped_ce.py bounds;
-- ``bitwise_vs_per_row``: a fused row with a strided grid against the fused row with one program per row
-  (loss and both gradients bit for bit, as the kernel promises), when both were run.
+  norm of the difference), the agreement tests/perf/test_softcapped_ce.py bounds.
 """
 
 from __future__ import annotations
@@ -26,12 +22,17 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from track_1_short.model.config import ModelConfig
 from track_1_short.model.layers import LOSS_IMPLS, softcapped_cross_entropy_sum
-from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
+
+# perf/ is not a package: its helpers are imported from its directory (also when a test loads this
+# file by path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_meta import bench_metadata, write_bench_json  # noqa: E402
 
 RECORD_MTP = [1.0, 0.5, 0.25]  # the record's stage-0 MTP weights (schedule track1)
 _CFG = ModelConfig()  # the softcap of the track-1 model: logit_cap, logit_shift, logit_temperature
@@ -85,13 +86,10 @@ def run(args) -> dict:
     copy_rate = copy_bytes_per_s(device, 1 << 28 if on_gpu else 1 << 22, timer)
     floor_ms = (6 * t * d * v / (tflops * 1e12) + 6 * t * v / copy_rate) * 1e3
 
-    arms = [
-        (impl, pps) for impl in args.impls for pps in (args.programs_per_sm if impl == "fused" else [None])
-    ]
     results = {}
-    for impl, pps in arms:
+    for impl in args.impls:
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-        loss_args = (*SOFTCAP, args.chunk_rows, impl, pps or 0)
+        loss_args = (*SOFTCAP, args.chunk_rows, impl)
 
         def step(xx=xx, ww=ww, loss_args=loss_args):
             xx.grad = ww.grad = None
@@ -102,15 +100,13 @@ def run(args) -> dict:
         times = [timer(step) for _ in range(args.steps)]
         loss = softcapped_cross_entropy_sum(xx, ww, targets, mtp, *loss_args)
         # The gradients of the last timed step: the loss above ran without a backward.
-        results[(impl, pps)] = (times, loss.detach().float(), xx.grad.float(), ww.grad.float())
+        results[impl] = (times, loss.detach().float(), xx.grad.float(), ww.grad.float())
 
-    ref = results.get(("reference", None))
-    per_row = results.get(("fused", 0))
+    ref = results.get("reference")
     rows = []
-    for (impl, pps), (times, loss, gx, gw) in results.items():
+    for impl, (times, loss, gx, gw) in results.items():
         row = {
             "impl": impl,
-            "programs_per_sm": pps,
             "tokens": t,
             "vocab": v,
             "ms": statistics.median(times),
@@ -122,8 +118,6 @@ def run(args) -> dict:
             row["vs_reference"] = statistics.median(ref[0]) / row["ms"]
             for name, a, b in (("loss", loss, ref[1]), ("grad_x", gx, ref[2]), ("grad_w", gw, ref[3])):
                 row[f"{name}_rel_diff"] = ((a - b).norm() / b.norm()).item()
-        if pps and per_row is not None:
-            row["bitwise_vs_per_row"] = all(torch.equal(a, b) for a, b in zip((loss, gx, gw), per_row[1:]))
         rows.append(row)
     return {
         **bench_metadata(sys.argv, device),
@@ -144,19 +138,9 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=50304, help="V (GPT-2's, padded to 128)")
     p.add_argument("--chunk-rows", type=int, default=65536, help="model.loss_chunk_rows (the preset's)")
     p.add_argument("--impls", nargs="+", default=["reference", "fused"], choices=[i for i in LOSS_IMPLS])
-    p.add_argument(
-        "--programs-per-sm",
-        type=int,
-        nargs="+",
-        default=[0],
-        help="the fused arm's grids (model.loss_programs_per_sm), one row each; 0: one program per row",
-    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
-    args = p.parse_args(argv)
-    if min(args.programs_per_sm) < 0 or len(set(args.programs_per_sm)) != len(args.programs_per_sm):
-        p.error("--programs-per-sm: distinct values >= 0 (0: one program per row)")
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:

@@ -2,9 +2,8 @@
 
     python perf/bench_optimizer.py --out perf/results/optimizer.json                 # CUDA, track-1 banks
     python perf/bench_optimizer.py --device cpu --out /tmp/optimizer.json            # CPU: small banks
-    python perf/bench_optimizer.py --bank-update eager compiled --out /tmp/optimizer.json  # both arms
     python perf/bench_optimizer.py --bank-update eager triton --out /tmp/optimizer.json    # Triton kernels
-    python perf/bench_optimizer.py --cascade-gram bmm triton --out /tmp/optimizer.json    # Gram kernels
+    python perf/bench_optimizer.py --cascade-gram bmm squared gram_space --out /tmp/o.json  # cascade routes
     python perf/bench_optimizer.py --bank-update triton --bank-graphs off on --out /tmp/o.json  # CUDA graphs
     python perf/bench_optimizer.py --bank-update triton --bank-streams off on --out /tmp/o.json  # streams
 
@@ -15,34 +14,31 @@ matrices. At world size 1 a step is, per bank, the local reduce_scatter/all_gath
 ``AnvilBank.update()``: twin rails, cascade, lane equaliser, master update.
 
 Rows, one per bank and one for the whole ``AnvilAndAdam.step(do_adam=False)``, for each ``--bank-update``
-arm (``optim.bank_update``: ``eager``, ``compiled``, ``triton``; default eager and compiled on CUDA, eager
-on the CPU). Each arm builds the optimizer with that setting and times its own ``update()`` and ``step()``,
-so the compiled arm times the graphs the optimizer made (track_1_short/perf/bank_compile.py), not a copy of
-them, and the triton arm the kernels of track_1_short/perf/kernels/anvil_bank.py (the cascade stays torch
-there, so its ``cascade_ms`` is the eager cascade's):
+arm (``optim.bank_update``: ``eager``, ``triton``; default eager and triton on CUDA, eager on the CPU).
+Each arm builds the optimizer with that setting and times its own ``update()`` and ``step()``, so the triton
+arm times the kernels of track_1_short/perf/kernels/anvil_bank.py (the cascade stays torch there, so its
+``cascade_ms`` is the eager cascade's):
 
 ``--top-kernels N`` (CUDA) profiles each bank's update: the GPU's busy share between its kernels, kernel time
-by class and the N costliest kernels (track_1_short/perf/kernel_profile.py, as perf/bench_train_step.py).
+by class and the N costliest kernels (perf/kernel_profile.py, as perf/bench_train_step.py).
 
 Arms are crossed with ``--bank-graphs`` (``optim.bank_graphs``: ``off``, ``on``; default off): ``on``
 replays each bank's update from a CUDA graph (track_1_short/perf/bank_graphs.py), one launch a bank, and with
 ``--bank-streams`` (``optim.bank_streams``: ``off``, ``on``; default off): ``on`` runs each bank's update in
 the optimizer step on its own CUDA stream (track_1_short/perf/bank_streams.py). Arms are
-also crossed with ``--cascade-gram`` (``optim.cascade_gram``: ``bmm``, ``triton``, ``folded``, ``squared``,
-``gram_space``; default bmm): the cascade's route (track_1_short/optim/polar_express.py; ``triton``: the
-symmetric Gram kernels of track_1_short/perf/kernels/sym_gram.py; ``gram_space`` runs as ``squared`` on the
+also crossed with ``--cascade-gram`` (``optim.cascade_gram``: ``bmm``, ``squared``, ``gram_space``; default
+bmm): the cascade's route (track_1_short/optim/polar_express.py; ``gram_space`` runs as ``squared`` on the
 banks ``route_for`` keeps off it, and ``cascade_ms`` and its floor time and count what each bank runs). Its
 arms time the same update through each route; ``cascade_ms`` shows their effect on the cascade alone,
 perf/bench_cascade_products.py product by product.
 
-- ``bank_update``: the arm; ``cascade_gram``: the arm's Gram route; ``compile_s``: the compiled and triton
-  arms' first ``update()`` of the bank (Dynamo and Inductor, or Triton's JIT of the kernels), wall seconds,
-  untimed otherwise; ``vs_eager``: the eager
-  arm's ``step_ms`` over this row's (same cascade_gram); ``vs_bmm``: the bmm arm's ``step_ms`` over this
+- ``bank_update``: the arm; ``cascade_gram``: the arm's Gram route; ``compile_s``: the triton arm's first
+  ``update()`` of the bank (Triton's JIT of the kernels), wall seconds, untimed otherwise; ``vs_eager``: the
+  eager arm's ``step_ms`` over this row's (same cascade_gram); ``vs_bmm``: the bmm arm's ``step_ms`` over this
   row's (same bank_update);
 - ``step_ms``: the bank's ``update()`` (the total row: the whole optimizer step), mean over ``--steps`` after
   ``--warmup``, CUDA events on the GPU, perf_counter on the CPU;
-- ``cascade_ms``: ``orthogonalize`` alone on the bank's chunk (compiled the same way in the compiled arm);
+- ``cascade_ms``: ``orthogonalize`` alone on the bank's chunk;
   ``rest_ms = step_ms - cascade_ms``;
 - ``cascade_ms_floor``: the cascade's matmul FLOPs (``cascade_flops``, plain matmuls, also in the triton
   arm) at the bf16 matmul rate measured in the same run (median of repeated n^3 matmuls, n = 8192 on CUDA,
@@ -63,14 +59,19 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from track_1_short.optim.anvil import BANK_UPDATES, CASCADE_GRAMS, AnvilAndAdam, OptimConfig
 from track_1_short.optim.polar_express import cascade_flops, orthogonalize
-from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
-from track_1_short.perf.bench_timing import copy_gbps, graph_replay, matmul_tflops, sync, time_ms
-from track_1_short.perf.kernel_profile import kernel_table_line, profile_device
+
+# perf/ is not a package: its helpers are imported from its directory (also when a test loads this
+# file by path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_meta import bench_metadata, write_bench_json  # noqa: E402
+from bench_timing import copy_gbps, graph_replay, matmul_tflops, sync, time_ms  # noqa: E402
+from kernel_profile import kernel_table_line, profile_device  # noqa: E402
 
 # label: (parameter shape, reshape, matrix_lr_mul), the record's banks (upstream-optim notes 3.1 and 3.5): mlp
 # matrices alternate c_fc (x1) and c_proj (x2); 14 and 15 (a deleted layer's MLP) are frozen.
@@ -139,12 +140,7 @@ def measure(
     bank_streams: bool = False,
 ) -> list[dict]:
     named, opt, grads = build(banks, device, bank_update, cascade_gram, bank_graphs, bank_streams)
-    compiled = bank_update == "compiled"
     cascade = orthogonalize
-    if compiled:
-        from track_1_short.perf.bank_compile import COMPILE_BACKEND
-
-        cascade = torch.compile(orthogonalize, backend=COMPILE_BACKEND, dynamic=False, fullgraph=True)
     rows = []
     for label, _ in named:
         bank = opt.banks[label]
@@ -153,7 +149,7 @@ def measure(
         x = bank.grad.clone()
         extra = {}
         # The first call compiles (and captures the graph): timed on its own, never in step_ms.
-        if compiled or bank_update == "triton" or bank_graphs:
+        if bank_update == "triton" or bank_graphs:
             sync(device)
             t0 = time.perf_counter()
             bank.update()
@@ -164,7 +160,7 @@ def measure(
         run_cascade = lambda x=x, route=route: cascade(x, opt.cfg.frobenius_margin, route)  # noqa: E731
         if bank_graphs:  # the cascade alone as the arm runs it: replayed from a graph
             run_cascade = graph_replay(run_cascade, device)
-        cascade_ms = time_ms(run_cascade, device, steps, max(warmup, 1 if compiled else 0))
+        cascade_ms = time_ms(run_cascade, device, steps, warmup)
         if top:  # where the update's device time goes, and how busy the GPU is between its kernels
             extra.update(profile_device(bank.update, PROFILED_UPDATES, top))
         flops = cascade_flops(chunk, r, c, route)
@@ -287,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         choices=BANK_UPDATES,
         default=None,
-        help="optim.bank_update arms, measured in this order in one run (default: eager compiled on cuda, "
+        help="optim.bank_update arms, measured in this order in one run (default: eager triton on cuda, "
         "eager on cpu)",
     )
     parser.add_argument(
@@ -344,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tflops = matmul_tflops(device, n)
     gbps = copy_gbps(device, 1 << (28 if cuda else 22))
-    arms = args.bank_update or (["eager", "compiled"] if cuda else ["eager"])
+    arms = args.bank_update or (["eager", "triton"] if cuda else ["eager"])
     grams = args.cascade_gram or ["bmm"]
     rows = [
         r
@@ -390,11 +386,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"rest floor: {BYTES_PER_ELEMENT_FLOOR} bytes per bank element at the copy rate of this run",
                 "rest_ms = step_ms - cascade_ms: rails, equaliser, master update (the total row adds the "
                 "step's gradient and gather copies)",
-                "bank_update: optim.bank_update of the arm (compiled: one torch.compile graph per bank, "
-                "compile_s its first call; triton: the Triton kernels outside the cascade, compile_s their "
-                "first call); vs_eager: the eager arm's step_ms over the row's",
-                "cascade_gram: optim.cascade_gram of the arm (triton: the symmetric Gram kernels); "
-                "vs_bmm: the bmm arm's step_ms over the row's",
+                "bank_update: optim.bank_update of the arm (triton: the Triton kernels outside the cascade, "
+                "compile_s their first call); vs_eager: the eager arm's step_ms over the row's",
+                "cascade_gram: optim.cascade_gram of the arm; vs_bmm: the bmm arm's step_ms over the row's",
                 "bank_graphs: optim.bank_graphs of the arm (each bank update replayed from a CUDA graph; "
                 "compile_s then includes the capture, and cascade_ms times the cascade replayed from a graph "
                 "too); vs_ungraphed: the ungraphed arm's step_ms over the row's",

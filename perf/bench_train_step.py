@@ -49,9 +49,13 @@ from pathlib import Path
 import torch
 
 from track_1_short import schedule
-from track_1_short.perf.bench_meta import REPO_ROOT, bench_metadata, write_bench_json
-from track_1_short.perf.frozen_gc import freeze_gc, restore_gc
-from track_1_short.perf.kernel_profile import kernel_table_line, profile_device
+from track_1_short.frozen_gc import freeze_gc, restore_gc
+
+# perf/ is not a package: its helpers are imported from its directory (also when a test loads this
+# file by path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_meta import REPO_ROOT, bench_metadata, write_bench_json  # noqa: E402
+from kernel_profile import kernel_table_line, profile_device  # noqa: E402
 
 DEFAULT_EXPERIMENT = "record_1gpu"  # the one-GPU record preset (CUDA)
 TINY_EXPERIMENT = "smoke_record"  # --tiny: the CPU smoke preset (tiny model, compact vocabulary)
@@ -486,9 +490,8 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from omegaconf import OmegaConf
 
-    from track_1_short import distributed
+    from track_1_short import cpu_bf16_matmul, distributed
     from track_1_short.config import to_object
-    from track_1_short.perf import cpu_bf16_matmul
     from track_1_short.trainer import Trainer, bf16_matmul_route
 
     meta = bench_metadata(argv, device)  # taken first: the date is when the run started

@@ -9,21 +9,15 @@
 #                         (GPU_TESTS="tests/perf/test_bank_graphs.py tests/optim": only those paths; the
 #                         whole GPU suite takes over 10 minutes on one H100, so split it where calls are capped)
 #         replicated_adam perf/bench_replicated_adam.py -> perf/results/replicated_adam.json
-#         replicated_adam_floors  perf/bench_replicated_adam.py --record --phases --reps 1000 --paths
-#                                 (the device path, device_rows_in_place and the two floors: floor_paths)
-#                                 -> perf/results/replicated_adam_floors.json
-#         replicated_adam_pieces  perf/bench_replicated_adam_pieces.py (where each path's host time goes)
-#                                 -> perf/results/replicated_adam_pieces.json
-#         optimizer       perf/bench_optimizer.py --bank-update eager compiled triton \
-#                                                       --cascade-gram bmm triton squared \
+#         optimizer       perf/bench_optimizer.py --bank-update eager triton \
+#                                                       --cascade-gram bmm squared gram_space \
 #                                                       --bank-graphs off on --top-kernels 12
 #                                                       -> perf/results/optimizer.json
-#         cascade_products  perf/bench_cascade_products.py --sym-configs (three tile settings)
-#                                                       -> perf/results/cascade_products.json
+#         cascade_products  perf/bench_cascade_products.py -> perf/results/cascade_products.json
 #         train_step      perf/bench_train_step.py      -> perf/results/train_step.json
 #                         (TRAIN_STEP_ARGS="optim.bank_update=triton" TRAIN_STEP_NAME=train_step_triton_bank:
 #                         Hydra overrides, and the JSON's name, for a before/after pair)
-#         loss            perf/bench_loss.py --programs-per-sm 0 1 2 4  -> perf/results/loss.json
+#         loss            perf/bench_loss.py                -> perf/results/loss.json
 #         levers          perf/bench_train_step.py --stages 2, the default against each opt-in fast path as an
 #                         --arm (LEVERS: "name=override ..." per line, default below) -> train_step_levers.json
 #         scaling         perf/scaling.py (the preset through torchrun on 1 and all GPUs; skipped on one GPU)
@@ -37,13 +31,12 @@
 # exits non-zero. With $OUT set, the logs grow there and each stage's JSON (and RESULTS.md) is copied there
 # when the stage ends, so a run cut short still hands back what it did. Flat names, at most
 # 10 files come back from a lent machine, so name fewer stages there: pytest_gpu.log, bench.log,
-# <name>_log.txt, <name>_events.jsonl, <name>.json, replicated_adam.json, replicated_adam_floors.json,
-# replicated_adam_pieces.json, optimizer.json, train_step.json, loss.json, scaling.json, RESULTS.md.
+# <name>_log.txt, <name>_events.jsonl, <name>.json, replicated_adam.json, optimizer.json, train_step.json,
+# loss.json, scaling.json, RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-all_stages=(preset tests replicated_adam replicated_adam_floors replicated_adam_pieces optimizer cascade_products
-  train_step loss levers scaling results)
+all_stages=(preset tests replicated_adam optimizer cascade_products train_step loss levers scaling results)
 stages=("$@")
 [[ ${#stages[@]} -gt 0 ]] || stages=("${all_stages[@]}")
 for s in "${stages[@]}"; do
@@ -143,26 +136,12 @@ bench() {  # name: perf/bench_<name>.py --out perf/results/<name>.json
   # bench_train_step.py times Trainer.train_step under experiment=record_1gpu (input checks off, as in a record).
   local args=()
   # Every bank-update route against every Gram route: the arms the optimizer's defaults are chosen from.
-  [[ $1 != optimizer ]] || args=(--bank-update eager compiled triton --cascade-gram bmm triton squared
+  [[ $1 != optimizer ]] || args=(--bank-update eager triton --cascade-gram bmm squared gram_space
     --bank-graphs off on --top-kernels 12)
-  # The symmetric Gram kernels' tiles beside cuBLAS, product by product.
-  [[ $1 != cascade_products ]] || args=(--sym-configs 128,64,8,4 64,64,4,3 128,128,8,3)
-  # The fused loss kernel's grids (model.loss_programs_per_sm): the default is chosen from these rows.
-  [[ $1 != loss ]] || args=(--programs-per-sm 0 1 2 4)
   # TRAIN_STEP_ARGS is a list of Hydra overrides: split on spaces on purpose.
   # shellcheck disable=SC2206
   [[ $1 != train_step || -z ${TRAIN_STEP_ARGS:-} ]] || args=(${TRAIN_STEP_ARGS})
   python3 "$script" "${args[@]}" --out "$json" 2>&1 | tee -a "$log" || return
-  hand_back "$json"
-}
-
-# The device path beside its variants and the two floors under it (perf/bench_replicated_adam.py names them).
-floor_paths=per_param,fused,device,device_rows_in_place,device_fence_graph,device_floor
-
-floors() {  # perf/bench_replicated_adam.py --record over floor_paths -> perf/results/replicated_adam_floors.json
-  local json=perf/results/replicated_adam_floors.json
-  python3 perf/bench_replicated_adam.py --record --phases --reps 1000 --paths "$floor_paths" --out "$json" \
-    2>&1 | tee -a "$log" || return
   hand_back "$json"
 }
 
@@ -188,12 +167,10 @@ preset() {  # the one-GPU record preset through the trainer, then its figures (p
 }
 
 # The opt-in fast paths, one arm each, measured against the defaults at stage 2 (about 50 s an arm, most of it
-# the arm's first compiled step), and the bank update the presets had before the Triton one.
+# the arm's first compiled step), and the references of the bank update and of the replicated Adam step.
 default_levers='bank_graphs=optim.bank_graphs=true
-mlp_fused=model.mlp_impl=fused
-loss_grid2=model.loss_programs_per_sm=2
-gram_triton=optim.cascade_gram=triton
-bank_eager=optim.bank_update=eager'
+bank_eager=optim.bank_update=eager
+replicated_reference=optim.replicated_impl=reference'
 
 levers() {
   local arms=() line
@@ -228,7 +205,6 @@ for s in "${stages[@]}"; do
     levers) run_stage levers levers ;;
     scaling) run_stage scaling scaling ;;
     results) run_stage results results_md ;;
-    replicated_adam_floors) run_stage "$s" floors ;;
     *) run_stage "$s" bench "$s" ;;
   esac
 done

@@ -26,8 +26,12 @@ from omegaconf import OmegaConf
 from track_1_short import schedule
 from track_1_short.model.config import ModelConfig
 from track_1_short.model.gpt import flops_per_token
-from track_1_short.perf.bench_meta import write_bench_json
 from track_1_short.run_log import read_events
+
+# perf/ is not a package: its helpers are imported from its directory (also when a test loads this
+# file by path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_meta import write_bench_json  # noqa: E402
 
 
 def stage_rows(events: list[dict], sched, model_cfg, matmul_tflops: float) -> list[dict]:

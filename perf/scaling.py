@@ -39,9 +39,9 @@ from omegaconf import OmegaConf
 # file by path).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_summary  # noqa: E402
+from bench_meta import bench_metadata, write_bench_json  # noqa: E402
 
 from track_1_short.config import accumulation_steps  # noqa: E402
-from track_1_short.perf.bench_meta import bench_metadata, write_bench_json  # noqa: E402
 from track_1_short.run_log import read_events  # noqa: E402
 
 DEFAULT_EXPERIMENT = "experiment=record_1gpu"

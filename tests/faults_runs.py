@@ -21,9 +21,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from track_1_short import checkpoint, distributed, trainer
+from track_1_short import checkpoint, cpu_bf16_matmul, distributed, trainer
 from track_1_short.config import to_object
-from track_1_short.perf import cpu_bf16_matmul
 from track_1_short.schedule import StageConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from track_1_short.perf.bench_meta import check_bench_payload
+from perf.bench_meta import check_bench_payload
 
 PERF_DIR = Path(__file__).resolve().parents[1] / "perf"
 

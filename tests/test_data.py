@@ -12,6 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from track_1_short.corpus import run_paths
 from track_1_short.data import (
     HEADER_BYTES,
     SHARD_MAGIC,
@@ -23,7 +24,6 @@ from track_1_short.data import (
     TrainLoader,
     ValLoader,
     read_shard,
-    run_paths,
     split_attention_segments,
     write_shard,
 )

@@ -16,9 +16,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from perf.bench_meta import REPO_ROOT, REQUIRED_KEYS
 from tests.perf_scripts import load_perf_script
 from track_1_short import schedule
-from track_1_short.perf.bench_meta import REPO_ROOT, REQUIRED_KEYS
 
 
 def load_bench():

@@ -96,10 +96,10 @@ def test_the_timed_loop_makes_no_graph_over_the_record_schedules_shapes(tmp_path
     assert warm and warm[0]["graphs"] == end["graphs"]
 
 
-def test_device_mode_ends_a_deterministic_compiled_run_with_the_fused_paths_bits(tmp_path):
+def test_the_fused_replicated_adam_ends_a_deterministic_compiled_run_with_the_reference_bits(tmp_path):
     # deterministic=true makes the compiled CUDA run repeat itself bit for bit (fused twice: without it,
     # Inductor's atomic scatter-adds in the embedding backwards differ from run to run), which is what makes
-    # the device mode's promise testable over a whole run: its end state is fused's, bit for bit.
+    # the fused path's promise testable over a whole run: its end state is the per-parameter path's.
     import torch._dynamo
 
     from tests.test_train import MICRO, STEPS
@@ -110,11 +110,11 @@ def test_device_mode_ends_a_deterministic_compiled_run_with_the_fused_paths_bits
     common = ["device=cuda", MICRO, "deterministic=true", "checkpoint.final=true"]
     runs = {
         name: trainer.run(short_cfg(str(tmp_path / name), *common, f"optim.replicated_impl={impl}"))
-        for name, impl in (("fused", "fused"), ("again", "fused"), ("device", "device"))
+        for name, impl in (("fused", "fused"), ("again", "fused"), ("reference", "reference"))
     }
     final = {name: checkpoint.load(r.run_dir / "checkpoints") for name, r in runs.items()}
     assert final["fused"]["step"] == sum(STEPS)
-    for name in ("again", "device"):
+    for name in ("again", "reference"):
         entries, diffs = compare(final["fused"], final[name])
         assert diffs == [], (name, entries, diffs[:5])
         assert runs[name].train_losses == runs["fused"].train_losses, name

@@ -15,7 +15,8 @@ import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
 from track_1_short import synthetic
-from track_1_short.data import DataConfig, SyntheticConfig, TrainLoader, read_shard, run_paths
+from track_1_short.corpus import run_paths
+from track_1_short.data import DataConfig, SyntheticConfig, TrainLoader, read_shard
 from track_1_short.synthetic import SIDECAR_NAME, Source, ensure_corpus
 
 BOS = 50256

@@ -19,8 +19,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.distributed_harness import run_ranks
-from track_1_short import checkpoint, compile_watch, run_log, trainer
-from track_1_short.perf import cpu_bf16_matmul
+from track_1_short import checkpoint, compile_watch, cpu_bf16_matmul, run_log, trainer
 from track_1_short.schedule import StageConfig
 
 pytestmark = pytest.mark.slow  # every test trains runs or starts the CLI
@@ -362,7 +361,7 @@ def test_loss_sum_ranks_backprops_upstreams_summed_loss_of_one_of_n_ranks(tmp_pa
         (("seed=abc",), "seed"),  # Hydra's own composition error
         (("fault_injection.nan_grad_value=bad",), "nan_grad_value"),  # a group's __post_init__
         (("cpu_bf16_matmul=bf16",), "cpu_bf16_matmul='bf16' must be one of ['auto', 'native', 'fp32']"),
-        (("optim.replicated_host=rust",), "optim.replicated_host='rust' must be one of ['native', 'python']"),
+        (("optim.replicated_impl=rust",), "replicated_impl='rust' must be one of ['fused', 'reference']"),
     ],
 )
 def test_bad_flags_exit_2_with_one_message_and_no_traceback(args, match, tmp_path):

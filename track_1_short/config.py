@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from track_1_short.cpu_bf16_matmul import SETTINGS as CPU_BF16_MATMUL_SETTINGS
 from track_1_short.data import DataConfig
 from track_1_short.guards import FaultInjectionConfig, GuardConfig
 from track_1_short.model.config import ModelConfig
 from track_1_short.optim.anvil import OptimConfig
-from track_1_short.perf.cpu_bf16_matmul import SETTINGS as CPU_BF16_MATMUL_SETTINGS
 from track_1_short.schedule import ScheduleConfig
 
 
@@ -63,7 +63,7 @@ class TrainConfig:
     (one per core). 1 because a second thread gains little on an idle 2-core machine and loses up to 10x when
     another process competes for the cores (the README has the figures)."""
     cpu_bf16_matmul: str = "auto"
-    """How a CPU run multiplies bf16 matrices (track_1_short/perf/cpu_bf16_matmul.py): "native" (torch's CPU
+    """How a CPU run multiplies bf16 matrices (track_1_short/cpu_bf16_matmul.py): "native" (torch's CPU
     kernel), "fp32" (through fp32 GEMMs: bf16 inputs, fp32 accumulation, one rounding to bf16, the native
     kernel's contract) or "auto": fp32 exactly when the CPU has no native bf16 GEMM (no AVX512-BF16 or AMX;
     there torch's kernel is a scalar fallback, about 20x slower than fp32) and nothing in the run is compiled
@@ -108,7 +108,7 @@ class TrainConfig:
     For checking paths that promise the same bits over a whole run (tools/compare_checkpoints.py); records
     keep it off. Restored to its previous value when the run ends."""
     gc_freeze: bool = True
-    """Python's cyclic garbage collector out of the timed loop (track_1_short/perf/frozen_gc.py): one
+    """Python's cyclic garbage collector out of the timed loop (track_1_short/frozen_gc.py): one
     collection and gc.freeze() before the clock starts, gc.disable() until the loop ends (restored then, also
     on an error); false = the collector runs as Python schedules it. Results do not change; upstream's record
     freezes it the same way."""
@@ -126,12 +126,6 @@ class TrainConfig:
         if self.cpu_bf16_matmul not in CPU_BF16_MATMUL_SETTINGS:
             raise ConfigError(
                 f"cpu_bf16_matmul={self.cpu_bf16_matmul!r} must be one of {list(CPU_BF16_MATMUL_SETTINGS)}."
-            )
-        if self.cpu_bf16_matmul == "fp32" and self.optim.bank_update == "compiled":
-            raise ConfigError(
-                "cpu_bf16_matmul=fp32 cannot run with optim.bank_update=compiled: torch.compile refuses a "
-                "frame under the fp32 route's dispatch mode. Use cpu_bf16_matmul=auto (it picks the native "
-                "kernels for a compiled run) or optim.bank_update=eager."
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device={self.device!r} must be 'auto', 'cpu' or 'cuda'.")

@@ -305,37 +305,6 @@ def find_shards(pattern: str | os.PathLike) -> list[Path]:
     )
 
 
-def run_paths(cfg: DataConfig) -> dict[str, str | Path | None]:
-    """The run's data files: {"train": train glob, "val": val shard, "sidecar": synthetic JSON or None}.
-
-    For kind "synthetic" this builds the corpus first (once; later runs reuse it). Raises MissingDataError,
-    naming the download command, when the train or val shards are not there.
-    """
-    sidecar = None
-    if cfg.kind == "synthetic":
-        # synthetic.py writes shards with this module, so it is imported here rather than at the top.
-        from track_1_short import synthetic
-
-        root = synthetic.ensure_corpus(cfg, cfg.dir)
-        sidecar = root / synthetic.SIDECAR_NAME
-    else:
-        root = Path(cfg.dir).expanduser()
-        if not root.is_dir():
-            raise MissingDataError(
-                f"the data directory {root} (data.dir) does not exist. Download FineWeb into it: "
-                f"{download_command(root)}"
-            )
-    train = str(root / cfg.train_pattern)
-    find_shards(train)
-    vals = find_shards(root / cfg.val_pattern)
-    if len(vals) != 1:
-        raise MissingDataError(
-            f"data.val_pattern={cfg.val_pattern!r} matches {len(vals)} files in {root}: it must name exactly "
-            "one val shard."
-        )
-    return {"train": train, "val": vals[0], "sidecar": sidecar}
-
-
 # ------------------------------------------------------------------------------------------------------------
 # Batches
 

@@ -32,13 +32,21 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from track_1_short import checkpoint, compile_watch, distributed, preflight, run_log, run_report, schedule
+from track_1_short import (
+    checkpoint,
+    compile_watch,
+    cpu_bf16_matmul,
+    distributed,
+    preflight,
+    run_log,
+    run_report,
+    schedule,
+)
 from track_1_short.checkpoint import CheckpointError, NonFiniteError
 from track_1_short.config import ConfigError, TrainConfig, accumulation_steps, check_run, to_object
+from track_1_short.frozen_gc import freeze_gc, restore_gc
 from track_1_short.guards import Guards
 from track_1_short.optimizer_time import OptimizerTime
-from track_1_short.perf import cpu_bf16_matmul
-from track_1_short.perf.frozen_gc import freeze_gc, restore_gc
 from track_1_short.run_log import RunLog, environment
 
 
@@ -76,18 +84,18 @@ def select_device(cfg: TrainConfig) -> str:
 def _data_paths(data_cfg) -> dict:
     """Rank 0 finds (or builds) the data files first, so ranks never build the corpus concurrently; its
     outcome, paths or the user error, is broadcast so every rank raises the same error instead of hanging."""
-    from track_1_short import data
+    from track_1_short import corpus, data
 
     outcome: tuple = ("ok", None)
     if distributed.is_main():
         try:
-            outcome = ("ok", data.run_paths(data_cfg))
+            outcome = ("ok", corpus.run_paths(data_cfg))
         except data.USER_ERRORS as e:
             outcome = ("error", e)
     outcome = distributed.broadcast_object(outcome)
     if outcome[0] == "error":
         raise outcome[1]
-    return outcome[1] if distributed.is_main() else data.run_paths(data_cfg)
+    return outcome[1] if distributed.is_main() else corpus.run_paths(data_cfg)
 
 
 def _sync(device: torch.device) -> None:
@@ -576,7 +584,7 @@ def run(cfg: DictConfig | TrainConfig) -> RunResult:
     """Build, warm up, train, validate. Works in one process, under torchrun, or in a test's gloo ranks.
 
     All four run under the route :func:`bf16_matmul_route` picks for the bf16 matmuls (on a CPU without native
-    bf16 GEMM: fp32 GEMMs, track_1_short/perf/cpu_bf16_matmul.py), entered here in every process that trains
+    bf16 GEMM: fp32 GEMMs, track_1_short/cpu_bf16_matmul.py), entered here in every process that trains
     and left on the way out, also on an error."""
     resolved = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
     resolved_dict = OmegaConf.to_container(resolved, resolve=True)
@@ -609,8 +617,8 @@ def run(cfg: DictConfig | TrainConfig) -> RunResult:
 
 def bf16_matmul_route(cfg: TrainConfig, device: torch.device) -> tuple[str, str]:
     """("fp32" | "native", why) for this run's bf16 matmuls (``cpu_bf16_matmul``). A run compiles when its
-    model is compiled (CUDA only) or its bank update is (``optim.bank_update=compiled``, on any device)."""
-    compiles = (device.type == "cuda" and cfg.compile) or cfg.optim.bank_update == "compiled"
+    model is compiled (CUDA only)."""
+    compiles = device.type == "cuda" and cfg.compile
     return cpu_bf16_matmul.resolve(cfg.cpu_bf16_matmul, device.type, compiles)
 
 

@@ -14,7 +14,23 @@ from __future__ import annotations
 
 import torch
 
+from track_1_short.model.config import ParamTableConfig
+
 BF16, FP32 = torch.bfloat16, torch.float32
+
+# The Adam multipliers come from the model's own param table settings (model/config.py ParamTableConfig), so
+# the optimizer tests exercise the record's betas and multipliers; gate_w and _gate_scale stand in for the
+# MUDD weights and their gate scale. The shapes are the stand-in's own (small, with the edge cases above).
+_TABLE = ParamTableConfig()
+_HYPER_OF = {"gate_w": "mudd_w1", "_gate_scale": "mudd_gate_scale"}
+
+
+def _adam_entry(label: str, **extra) -> dict:
+    hyper = getattr(_TABLE, _HYPER_OF.get(label, label))
+    return {"adam_betas": list(hyper.betas), "lr_mul": hyper.lr_mul, "wd_mul": hyper.wd_mul, **extra}
+
+
+_MLP_MULS = [1.0, _TABLE.mlp_proj_lr_mul] * 2  # c_fc, c_proj of each of the two layers
 
 # label: (shape, dtype, param-table entry)
 SPECS: dict[str, tuple[list[int], torch.dtype, dict]] = {
@@ -24,31 +40,15 @@ SPECS: dict[str, tuple[list[int], torch.dtype, dict]] = {
         {"optim": "anvil", "reshape": [3, 8, 24], "matrix_lr_mul": [1.0, 1.0, 0.0]},
     ),
     "vo_bank": ([2, 16, 16], BF16, {"optim": "anvil", "reshape": [2, 16, 16]}),
-    "mlp_bank": (
-        [2, 2, 24, 8],
-        BF16,
-        {"optim": "anvil", "reshape": [4, 24, 8], "matrix_lr_mul": [1, 2, 1, 2]},
-    ),
-    "lm_head": (
-        [16, 40],
-        BF16,
-        {"optim": "adam", "comms": "sharded", "adam_betas": [0.5, 0.95], "wd_mul": 150},
-    ),
-    "embed": (
-        [40, 16],
-        BF16,
-        {"optim": "adam", "comms": "sharded", "adam_betas": [0.5, 0.95], "wd_mul": 150, "tied_to": "lm_head"},
-    ),
-    "value_embeds": (
-        [39, 16],
-        BF16,
-        {"optim": "adam", "comms": "sharded", "adam_betas": [0.75, 0.95], "lr_mul": 70.0, "wd_mul": 5.0},
-    ),
-    "scalars": ([5], FP32, {"adam_betas": [0.9, 0.99], "lr_mul": 5.0, "wd_mul": 0.0}),
-    "smear_gate": ([1, 12], BF16, {"adam_betas": [0.9, 0.99], "lr_mul": 0.01, "wd_mul": 0.0}),
-    "post_lambdas": ([3, 2], FP32, {"adam_betas": [0.9, 0.95], "lr_mul": 1.0, "wd_mul": 0.0}),
-    "gate_w": ([2, 3, 4], BF16, {"adam_betas": [0.9, 0.99], "lr_mul": 0.25, "wd_mul": 1.0}),
-    "_gate_scale": ([], FP32, {"adam_betas": [0.9, 0.99], "lr_mul": 0.1, "wd_mul": 0.0}),
+    "mlp_bank": ([2, 2, 24, 8], BF16, {"optim": "anvil", "reshape": [4, 24, 8], "matrix_lr_mul": _MLP_MULS}),
+    "lm_head": ([16, 40], BF16, _adam_entry("lm_head", optim="adam", comms="sharded")),
+    "embed": ([40, 16], BF16, _adam_entry("embed", optim="adam", comms="sharded", tied_to="lm_head")),
+    "value_embeds": ([39, 16], BF16, _adam_entry("value_embeds", optim="adam", comms="sharded")),
+    "scalars": ([5], FP32, _adam_entry("scalars")),
+    "smear_gate": ([1, 12], BF16, _adam_entry("smear_gate")),
+    "post_lambdas": ([3, 2], FP32, _adam_entry("post_lambdas")),
+    "gate_w": ([2, 3, 4], BF16, _adam_entry("gate_w")),
+    "_gate_scale": ([], FP32, _adam_entry("_gate_scale")),
 }
 REPLICATED = ["scalars", "smear_gate", "post_lambdas", "gate_w", "_gate_scale"]
 SCATTER_ORDER = ["qk_bank", "vo_bank", "mlp_bank", "value_embeds", "lm_head", "embed", *REPLICATED]

@@ -120,7 +120,8 @@ def test_parameters_need_unique_labels():
     "field, value",
     [
         ("replicated_impl", "triton"),
-        ("scalar_upload", "pinned"),
+        ("bank_update", "compiled"),
+        ("cascade_gram", "folded"),
         ("adam_every", 0),
         ("adam_lr", -1.0),
         ("adam_eps", 0.0),

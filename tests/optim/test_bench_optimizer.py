@@ -30,63 +30,33 @@ def test_bench_runs_small_on_the_cpu_and_writes_rows_with_floors(tmp_path, capsy
     assert "cascade" in capsys.readouterr().out
 
 
-def test_both_bank_update_arms_are_measured_in_one_run_and_rendered(tmp_path, monkeypatch):
-    # Each arm builds the optimizer with its optim.bank_update and times that optimizer's own update(): the
-    # compiled arm's banks hold the compiled callable. aot_eager: the same graphs without Inductor's compile
-    # time (the GPU run uses Inductor).
-    import torch
-
-    from tests.perf_scripts import load_perf_script as load
-    from track_1_short.optim.anvil_bank import bank_update_
-    from track_1_short.perf import bank_compile
-
-    monkeypatch.setattr(bank_compile, "COMPILE_BACKEND", "aot_eager")
-    torch._dynamo.reset()
-    bench = load_bench()
-    _, opt, _ = bench.build(bench.SMALL_BANKS, torch.device("cpu"), "compiled")
-    assert all(b.update_fn is not bank_update_ for b in opt.banks.values())
-    payload = run_small(bench, tmp_path, "--bank-update", "eager", "compiled")
-    assert payload["bank_update"] == ["eager", "compiled"]
-    rows = payload["rows"]
-    per_arm = len(bench.SMALL_BANKS) + 1
-    assert [r["bank_update"] for r in rows] == ["eager"] * per_arm + ["compiled"] * per_arm
-    for eager, compiled in zip(rows[:per_arm], rows[per_arm:], strict=True):
-        assert eager["bank"] == compiled["bank"] and eager["vs_eager"] == 1.0
-        assert abs(compiled["vs_eager"] - eager["step_ms"] / compiled["step_ms"]) < 1e-12
-        assert "compile_s" not in eager
-    assert all(r["compile_s"] > 0 for r in rows[per_arm:-1])  # each bank's first update, timed apart
-    text = "\n".join(load("results").render_section("perf/results/optimizer.json", payload))
-    assert "| bank | bank_update | matrices |" in text and "compile_s" in text and "vs_eager" in text
-    assert text.count("| compiled |") == per_arm
-    torch._dynamo.reset()
-
-
 def test_both_cascade_gram_arms_are_measured_in_one_run(tmp_path):
-    # Each arm builds the optimizer with its optim.cascade_gram (on the CPU the Triton kernels run in the
-    # interpreter), so its banks' updates call the symmetric Gram kernels; only the structure is checked here.
+    # Each arm builds the optimizer with its optim.cascade_gram, so its banks' updates take that route; only
+    # the structure is checked here.
     import torch
 
     bench = load_bench()
-    _, opt, _ = bench.build(bench.SMALL_BANKS, torch.device("cpu"), "eager", "triton")
-    assert all(b.constants["gram"] == "triton" for b in opt.banks.values())
-    payload = run_small(bench, tmp_path, "--cascade-gram", "bmm", "triton")
-    assert payload["cascade_gram"] == ["bmm", "triton"]
+    _, opt, _ = bench.build(bench.SMALL_BANKS, torch.device("cpu"), "eager", "squared")
+    assert all(b.constants["gram"] == "squared" for b in opt.banks.values())
+    payload = run_small(bench, tmp_path, "--cascade-gram", "bmm", "squared")
+    assert payload["cascade_gram"] == ["bmm", "squared"]
     rows = payload["rows"]
     per_arm = len(bench.SMALL_BANKS) + 1
-    assert [r["cascade_gram"] for r in rows] == ["bmm"] * per_arm + ["triton"] * per_arm
-    for bmm, triton in zip(rows[:per_arm], rows[per_arm:], strict=True):
-        assert bmm["bank"] == triton["bank"] and bmm["vs_bmm"] == 1.0
-        assert abs(triton["vs_bmm"] - bmm["step_ms"] / triton["step_ms"]) < 1e-12
-        assert triton["vs_eager"] == 1.0  # the eager arm of its own Gram route
-        assert triton["cascade_ms"] > 0
+    assert [r["cascade_gram"] for r in rows] == ["bmm"] * per_arm + ["squared"] * per_arm
+    for bmm, squared in zip(rows[:per_arm], rows[per_arm:], strict=True):
+        assert bmm["bank"] == squared["bank"] and bmm["vs_bmm"] == 1.0
+        assert abs(squared["vs_bmm"] - bmm["step_ms"] / squared["step_ms"]) < 1e-12
+        assert squared["vs_eager"] == 1.0  # the eager arm of its own Gram route
+        assert squared["cascade_ms"] > 0
 
 
-def test_the_triton_bank_update_arm_runs_on_the_cpu(tmp_path):
+def test_the_triton_bank_update_arm_runs_on_the_cpu_and_is_rendered(tmp_path):
     # optim.bank_update=triton: the arm's banks call the Triton kernels (the interpreter on the CPU), whose
     # first update is timed apart as compile_s; only the structure is checked here.
     import torch
 
-    from track_1_short.perf.kernels.anvil_bank import triton_bank_update_
+    from tests.perf_scripts import load_perf_script as load
+    from track_1_short.optim.anvil_bank import triton_bank_update_
 
     bench = load_bench()
     _, opt, _ = bench.build(bench.SMALL_BANKS, torch.device("cpu"), "triton")
@@ -98,6 +68,9 @@ def test_the_triton_bank_update_arm_runs_on_the_cpu(tmp_path):
     assert [r["bank_update"] for r in rows] == ["eager"] * per_arm + ["triton"] * per_arm
     assert all(r["compile_s"] > 0 for r in rows[per_arm:-1])
     assert all(r["step_ms"] > 0 and "vs_eager" in r for r in rows[per_arm:])
+    text = "\n".join(load("results").render_section("perf/results/optimizer.json", payload))
+    assert "| bank | bank_update | matrices |" in text and "compile_s" in text and "vs_eager" in text
+    assert text.count("| triton |") == per_arm
 
 
 def test_the_bank_graphs_arm_is_refused_on_the_cpu_and_paired_with_the_ungraphed_one(tmp_path, capsys):
@@ -147,7 +120,7 @@ def test_the_bank_streams_arm_is_refused_on_the_cpu_and_paired_with_the_serial_o
         {
             "bank": "all",
             "bank_update": "triton",
-            "cascade_gram": "folded",
+            "cascade_gram": "squared",
             "bank_graphs": g,
             "bank_streams": s,
             "step_ms": ms,

@@ -218,27 +218,6 @@ def test_bf16_store_rounds_like_the_gpu_conversion():
     assert_bitwise(_round_with_kernel(x), x.to(torch.bfloat16).view(torch.int16), "bf16 rounding on CUDA")
 
 
-def test_two_group_launch_equals_one_launch_per_group_and_leaves_gradients_alone():
-    cases = [_case(torch.bfloat16, seed=1), _case(torch.float32, seed=2)]
-    steps = cases[0][1]
-    table = _table(steps)
-    seg = _segments()
-    singles, pairs = [], []
-    for (params, grads, m, v), _ in cases:
-        singles.append([_flat(params), _flat(grads), _flat(m), _flat(v), seg])
-        pairs.append([t.clone() for t in singles[-1]])
-    for group in singles:
-        K.fused_adam_(*group, table, block=BLOCK)
-    grads = [pair[1].clone() for pair in pairs]
-    K.fused_adam_groups_([tuple(g) for g in pairs], table, block=BLOCK)
-    for single, pair, grad in zip(singles, pairs, grads):
-        for what, a, b in zip(
-            ("param", "exp_avg", "exp_avg_sq"), (single[0], single[2], single[3]), (pair[0], pair[2], pair[3])
-        ):
-            assert_bitwise(a, b, what)
-        assert_bitwise(pair[1], grad, "gradients after the launch")  # read, never written
-
-
 def _valid_buffers():
     (params, grads, m, v), steps = _case(torch.float32, seed=3)
     return [_flat(params), _flat(grads), _flat(m), _flat(v), _segments(), _table(steps)]
@@ -268,12 +247,6 @@ def test_bad_buffers_raise_before_the_kernel_touches_anything(corrupt, error, ma
 def test_block_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         K.fused_adam_(*_valid_buffers(), block=96)
-
-
-def test_groups_launch_takes_one_or_two_groups():
-    b = _valid_buffers()
-    with pytest.raises(ValueError, match="one or two groups"):
-        K.fused_adam_groups_([tuple(b[:5])] * 3, b[5])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -316,8 +289,7 @@ def _canary_group(dtype, seed):
     return tuple(view for view, _ in pairs), [whole for _, whole in pairs], steps
 
 
-@pytest.mark.parametrize("launch", ["one group", "two groups"])
-def test_kernel_never_touches_memory_past_its_buffers(launch):
+def test_kernel_never_touches_memory_past_its_buffers():
     group0, wholes0, steps = _canary_group(torch.bfloat16, seed=6)
     group1, wholes1, _ = _canary_group(torch.float32, seed=7)
     table_view, table_whole = _with_canaries(_table(steps).reshape(-1), 1.0)
@@ -325,256 +297,8 @@ def test_kernel_never_touches_memory_past_its_buffers(launch):
     wholes = wholes0 + wholes1 + [table_whole]
     tails = [w[-CANARY:].clone() for w in wholes]
     assert group0[0].numel() % BLOCK != 0  # the last block is partial: its mask decides
-    if launch == "one group":
-        K.fused_adam_(*group0, table, block=BLOCK)
-        K.fused_adam_(*group1, table, block=BLOCK)
-    else:
-        K.fused_adam_groups_([group0, group1], table, block=BLOCK)
+    K.fused_adam_(*group0, table, block=BLOCK)
+    K.fused_adam_(*group1, table, block=BLOCK)
     assert not torch.equal(bits(group0[0]), bits(_flat(_case(torch.bfloat16, seed=6)[0][0])))  # it ran
     for k, (whole, tail) in enumerate(zip(wholes, tails)):
         assert_bitwise(whole[-CANARY:], tail, f"canary after buffer {k}")
-
-
-# ---- the gradient gather ----------------------------------------------------------------------------------
-
-
-def _gather_case(device="cpu"):
-    """Two flat buffers (bf16 segments 0, 2, 3; fp32 segments 1, 4), one parameter without a gradient (3), and
-    bf16 gradients holding every odd bit pattern (NaN payloads, -0.0, subnormals, infinities). The gradients
-    come back too: the addresses are only integers, and the caller must keep what they point to alive."""
-    gen = torch.Generator().manual_seed(40)
-    sizes = {0: 37, 1: 1, 2: 130, 3: 5, 4: 64}
-    grads = {
-        0: torch.randint(-(2**15), 2**15, (37,), generator=gen, dtype=torch.int16).view(torch.bfloat16),
-        1: torch.tensor([-0.0]),
-        2: torch.randint(-(2**15), 2**15, (130,), generator=gen, dtype=torch.int16).view(torch.bfloat16),
-        3: None,
-        4: torch.randn(64, generator=gen),
-    }
-    grads = {i: g.to(device) if g is not None else None for i, g in grads.items()}
-    members = {torch.bfloat16: [0, 2, 3], torch.float32: [1, 4]}
-    groups, starts = [], [0] * len(sizes)
-    for dtype, indices in members.items():
-        offset, segment = 0, []
-        for i in indices:
-            starts[i] = offset
-            offset += sizes[i]
-            segment += [i] * sizes[i]
-        flat = torch.full((offset,), float("nan"), dtype=dtype, device=device)
-        groups.append((flat, torch.tensor(segment, dtype=torch.int32, device=device)))
-    addresses = torch.tensor(
-        [0 if grads[i] is None else grads[i].data_ptr() for i in range(5)], device=device
-    )
-    starts = torch.tensor(starts, dtype=torch.int64, device=device)
-    expected = [
-        torch.cat(
-            [
-                grads[i] if grads[i] is not None else torch.zeros(sizes[i], dtype=d, device=device)
-                for i in indices
-            ]
-        )
-        for d, indices in members.items()
-    ]
-    return groups, addresses, starts, expected, grads
-
-
-def test_gather_copies_every_gradient_bit_for_bit_and_zeroes_a_missing_one_in_one_launch():
-    groups, addresses, starts, expected, _grads = _gather_case()
-    K.gather_grads_(groups, addresses, starts, block=BLOCK)
-    for (flat, _), want in zip(groups, expected):
-        assert torch.equal(bits(flat), bits(want))
-
-
-@pytest.mark.gpu
-def test_gather_copies_every_gradient_bit_for_bit_on_cuda():
-    groups, addresses, starts, expected, _grads = _gather_case("cuda")
-    K.gather_grads_(groups, addresses, starts)
-    torch.cuda.synchronize()
-    for (flat, _), want in zip(groups, expected):
-        assert torch.equal(bits(flat), bits(want))
-
-
-@pytest.mark.parametrize(
-    "corrupt, match",
-    [
-        (lambda g, a, s: ([(g[0][0].view(1, -1), g[0][1])], a, s), "contiguous 1-D bf16 or fp32"),
-        (lambda g, a, s: ([(g[0][0], g[0][1].long())], a, s), "segment must be a contiguous int32"),
-        (lambda g, a, s: (g, a.int(), s), "addresses must be a 1-D int64"),
-        (lambda g, a, s: (g, a, s[:3]), "one entry per parameter"),
-        (lambda g, a, s: (g * 2, a, s), "one or two groups"),
-    ],
-)
-def test_gather_refuses_bad_buffers_before_it_writes(corrupt, match):
-    groups, addresses, starts, _, _grads = _gather_case()
-    before = [bits(flat).clone() for flat, _ in groups]
-    with pytest.raises(ValueError, match=match):
-        K.gather_grads_(*corrupt(groups, addresses, starts))
-    assert all(torch.equal(bits(flat), b) for (flat, _), b in zip(groups, before))
-
-
-# ---- the one-launch device step ---------------------------------------------------------------------------
-
-
-def _device_step_case(device="cpu"):
-    """The eight parameters of CFGS split by dtype (even: bf16, odd: fp32) into two flat groups indexed by one
-    table, their gradients where autograd would leave them (INACTIVE's missing), and device_step_'s inputs."""
-    from track_1_short.optim.adam import first_moment_correction, second_moment_correction
-    from track_1_short.perf.replicated_adam_device import correction_table
-
-    (params_bf16, grads_bf16, m_bf16, v_bf16), steps = _case(torch.bfloat16, seed=3)
-    (params_fp32, grads_fp32, m_fp32, v_fp32), _ = _case(torch.float32, seed=4)
-    n = len(SIZES)
-    members = {torch.bfloat16: range(0, n, 2), torch.float32: range(1, n, 2)}
-    source = {
-        torch.bfloat16: (params_bf16, m_bf16, v_bf16, grads_bf16),
-        torch.float32: (params_fp32, m_fp32, v_fp32, grads_fp32),
-    }
-    groups, starts, grads = [], [0] * n, {}
-    for dtype, indices in members.items():
-        params, m, v, g = source[dtype]
-        offset, segment = 0, []
-        for i in indices:
-            starts[i] = offset
-            offset += params[i].numel()
-            segment += [i] * params[i].numel()
-            grads[i] = None if i in INACTIVE else g[i].reshape(-1).contiguous().to(device)
-        flat_grad = torch.full((offset,), float("nan"), dtype=dtype, device=device)
-        groups.append(
-            tuple(_flat([t[i] for i in indices]).to(device) for t in (params,))
-            + (flat_grad,)
-            + tuple(_flat([t[i] for i in indices]).to(device) for t in (m, v))
-            + (torch.tensor(segment, dtype=torch.int32, device=device),)
-        )
-    addresses = torch.tensor(
-        [0 if grads[i] is None else grads[i].data_ptr() for i in range(n)], device=device
-    )
-    inputs = torch.tensor(
-        [
-            [0.0123 * (1 + i / 7) for i in range(n)],
-            [c.lr_mul for c in CFGS],
-            [c.weight_decay for c in CFGS],
-            [c.wd_mul for c in CFGS],
-            [float(t) for t in steps],
-            [0.0 if i in INACTIVE else 1.0 for i in range(n)],
-        ],
-        dtype=torch.float64,
-        device=device,
-    )
-    values, index = [], [[0] * n for _ in range(4)]
-    for i, cfg in enumerate(CFGS):
-        for slot, (beta, fn) in enumerate(
-            ((cfg.adam_betas[0], first_moment_correction), (cfg.adam_betas[1], second_moment_correction))
-        ):
-            table = correction_table(beta, fn)
-            index[2 * slot][i], index[2 * slot + 1][i] = len(values), len(table) - 1
-            values += table
-    table = _table(steps, device)
-    table[:, 5:] = float("nan")  # the per-step columns: whatever the launch does not write stays NaN
-    return dict(
-        groups=groups,
-        table=table,
-        addresses=addresses,
-        starts=torch.tensor(starts, dtype=torch.int64, device=device),
-        inputs=inputs,
-        corrections=torch.tensor(values, dtype=torch.float64, device=device),
-        correction_index=torch.tensor(index, dtype=torch.int32, device=device),
-        grads=grads,  # keeps the gradients that addresses point at alive
-    )
-
-
-def _clone_case(case):
-    out = dict(case)
-    out["groups"] = [tuple(t.clone() for t in g) for g in case["groups"]]
-    out["table"] = case["table"].clone()
-    return out
-
-
-def _three_launches(case, block):
-    K.gather_grads_([(g[1], g[4]) for g in case["groups"]], case["addresses"], case["starts"], block=block)
-    K.device_scalar_table_(case["table"], case["inputs"], case["corrections"], case["correction_index"])
-    K.fused_adam_groups_(case["groups"], case["table"], block=block)
-
-
-_STEP_ARGS = ("groups", "table", "addresses", "starts", "inputs", "corrections", "correction_index")
-
-
-def _one_launch(case, block, gather):
-    K.device_step_(*(case[k] for k in _STEP_ARGS), gather=gather, block=block)
-
-
-def _assert_same_step(a, b):
-    for k, (ga, gb) in enumerate(zip(a["groups"], b["groups"])):
-        for what, x, y in zip(("param", "grad", "exp_avg", "exp_avg_sq"), ga[:4], gb[:4]):
-            assert_bitwise(x, y, f"group {k} {what}")
-    assert_bitwise(a["table"], b["table"], "table")
-
-
-def _check_one_launch_against_three(device, block):
-    reference = _device_step_case(device)
-    gathered, flat = _clone_case(reference), _clone_case(reference)
-    before = [g[0].clone() for g in reference["groups"]]
-    _three_launches(reference, block)
-    assert not torch.isnan(reference["table"]).any()
-    assert any(not torch.equal(bits(g[0]), b) for g, b in zip(reference["groups"], before)), "nothing moved"
-    _one_launch(gathered, block, gather=True)
-    _assert_same_step(reference, gathered)
-    # Without the gather the launch reads the flat buffer: give it the gathered gradients.
-    for g, r in zip(flat["groups"], reference["groups"]):
-        g[1].copy_(r[1])
-    _one_launch(flat, block, gather=False)
-    _assert_same_step(reference, flat)
-
-
-def test_one_launch_device_step_equals_gather_table_and_adam_launches_bitwise():
-    _check_one_launch_against_three("cpu", BLOCK)
-
-
-@pytest.mark.gpu
-def test_one_launch_device_step_equals_gather_table_and_adam_launches_bitwise_on_cuda():
-    _check_one_launch_against_three("cuda", K.DEFAULT_BLOCK)
-
-
-@pytest.mark.gpu
-def test_one_launch_device_step_reads_pinned_rows_in_place_with_the_same_bits():
-    reference = _device_step_case("cuda")
-    pinned = _clone_case(reference)
-    pinned["addresses"] = reference["addresses"].cpu().pin_memory()
-    pinned["inputs"] = reference["inputs"].cpu().pin_memory()
-    _three_launches(reference, K.DEFAULT_BLOCK)
-    _one_launch(pinned, K.DEFAULT_BLOCK, gather=True)
-    torch.cuda.synchronize()
-    _assert_same_step(reference, pinned)
-
-
-@pytest.mark.parametrize(
-    "key, corrupt, match",
-    [
-        ("inputs", lambda t: t[:5], r"inputs must be a contiguous torch.float64 tensor of shape \[6, 8\]"),
-        ("addresses", lambda t: t.int(), "addresses must be a contiguous torch.int64"),
-        ("correction_index", lambda t: t.long(), "correction_index must be a contiguous torch.int32"),
-        ("corrections", lambda t: t.float(), "corrections must be a float64"),
-        ("groups", lambda g: g * 2, "one or two groups"),
-    ],
-)
-def test_one_launch_device_step_refuses_bad_buffers_before_it_writes(key, corrupt, match):
-    case = _device_step_case()
-    before = [bits(t).clone() for g in case["groups"] for t in g[:4]]
-    case[key] = corrupt(case[key])
-    with pytest.raises(ValueError, match=match):
-        _one_launch(case, BLOCK, gather=True)
-    assert all(torch.equal(bits(t), b) for t, b in zip((t for g in case["groups"] for t in g[:4]), before))
-
-
-def test_one_launch_device_step_signals_a_fence_once_per_launch_with_the_same_bits():
-    from track_1_short.perf.graph_fence import GraphFence
-
-    signalled, plain = _device_step_case(), _device_step_case()
-    fence = GraphFence(torch.device("cpu"))
-    for launch in range(1, 4):
-        K.launch_device_step(*(plain[k] for k in _STEP_ARGS), BLOCK, True)
-        K.launch_device_step(*(signalled[k] for k in _STEP_ARGS), BLOCK, True, fence=fence.signal_targets())
-        fence.count()
-        # The device counter and its host copy both moved by one: the fence has seen every launch.
-        assert fence.arrived == launch == int(fence.signal_targets()[0].item())
-        fence.wait()
-    _assert_same_step(plain, signalled)

@@ -18,7 +18,6 @@ from tests.perf.replicated_adam_cases import (
     unpack,
     wrong_inside_the_capture,
 )
-from track_1_short.perf.graph_fence import FenceTicket
 from track_1_short.perf.replicated_adam import (
     SCALAR_TABLE_SLOTS,
     CurrentStream,
@@ -241,15 +240,15 @@ def test_a_slot_copied_by_someone_else_is_marked_uploaded_and_waited_on_before_i
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("graphs", [True, False], ids=["fence_tickets", "events"])
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_cuda_table_goes_through_pinned_slots_each_waited_on_before_its_next_write(graphs):
-    # With CUDA graphs a slot's mark is a ticket on the fence its graph signals; without, a CUDA event.
+    # With CUDA graphs or without, a slot's mark is a CUDA event recorded after its upload.
     params, cfgs, states = make_inventory(seed=7, device="cuda")
     opt = ReplicatedAdam(params, cfgs, states, "cuda", use_cuda_graphs=graphs)
     ring = opt._ring
     assert len(ring._slots) == SCALAR_TABLE_SLOTS and all(s.is_pinned() for s in ring._slots)
-    kind = FenceTicket if graphs else torch.cuda.Event
-    assert len(ring._events) == SCALAR_TABLE_SLOTS and all(isinstance(e, kind) for e in ring._events)
+    assert len(ring._events) == SCALAR_TABLE_SLOTS
+    assert all(isinstance(e, torch.cuda.Event) for e in ring._events)
     gen = torch.Generator().manual_seed(8)
     for step in range(SCALAR_TABLE_SLOTS + 3):
         assert ring.slot_index == step % SCALAR_TABLE_SLOTS
@@ -259,15 +258,11 @@ def test_cuda_table_goes_through_pinned_slots_each_waited_on_before_its_next_wri
         torch.cuda.synchronize()
         slot = ring._slots[step % SCALAR_TABLE_SLOTS]
         assert torch.equal(opt.table.cpu(), slot)
-        mark = ring._events[step % SCALAR_TABLE_SLOTS]
-        if graphs:  # the ticket covers this step's signal, and the signal has landed
-            assert mark.ticket == opt._graphs.fence.enqueued == opt._graphs.fence.arrived
-        else:
-            assert mark.query()
+        assert ring._events[step % SCALAR_TABLE_SLOTS].query()
 
 
 def test_a_flat_snapshot_loads_back_bit_for_bit_and_names_what_differs():
-    # What the CUDA-graph checks of both modes rewind with, and how they name a buffer a graph got wrong.
+    # What the CUDA-graph check rewinds with, and how they name a buffer a graph got wrong.
     params, cfgs, states = make_inventory(seed=44)
     _randomise_moments(states, seed=45)
     opt = ReplicatedAdam(params, cfgs, states, "cpu")
@@ -567,14 +562,6 @@ def test_bad_input_raises_one_clear_error_before_anything_is_modified(corrupt, e
 def test_empty_parameter_list_is_rejected():
     with pytest.raises(ValueError, match="at least one parameter"):
         ReplicatedAdam([], [], [], "cpu")
-
-
-def test_unknown_impl_is_rejected():
-    params, cfgs, states = make_inventory(seed=19)
-    snap = _snapshot(params, states)
-    with pytest.raises(ValueError, match="impl must be one of"):
-        ReplicatedAdam(params, cfgs, states, "cpu", impl="graph")
-    assert _unchanged(params, states, snap)
 
 
 def test_update_without_launch_reduce_names_the_missing_call():

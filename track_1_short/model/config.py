@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from track_1_short.model.attention import ATTENTION_IMPLS, AttnSpec
-from track_1_short.model.layers import LOSS_IMPLS, MLP_IMPLS, next_multiple_of
+from track_1_short.model.layers import LOSS_IMPLS, next_multiple_of
 
 # MUDD block 0 (start of the last layer) emits this many coefficients, in this layout (upstream init_mudd):
 #   0-2 V add-in over (cache[0], cache[late], x)   3-5 residual recombination over the same sources
@@ -229,15 +229,6 @@ class ModelConfig:
     loss_impl: str = "auto"
     """The training loss between its GEMMs: "auto" (the fused Triton kernel on CUDA, the reference path
     elsewhere), "reference" (eager torch ops) or "fused" (on a CPU only under TRITON_INTERPRET=1)."""
-    mlp_impl: str = "reference"
-    """The ReLU² MLP: "reference" (torch ops; Inductor fuses the square into its own elementwise kernels) or
-    "fused" (the square, and in the backward its derivative, in the epilogue of a Triton GEMM:
-    track_1_short/perf/kernels/relu2_mlp.py; bf16 compute, CUDA, or a CPU under TRITON_INTERPRET=1)."""
-    loss_programs_per_sm: int = 0
-    """The fused loss kernel's grid: 0 launches one program per row; k > 0 launches k programs per
-    multiprocessor (one on a CPU) that stride over the rows, so fewer rows are in flight and the kernel's
-    second pass may find its row still in L2. The same bits either way (tests/perf/test_softcapped_ce.py);
-    perf/bench_loss.py --programs-per-sm times the choices."""
 
     # -- numerics and checks --
     compute_dtype: str = "bfloat16"
@@ -293,18 +284,6 @@ class ModelConfig:
             fail(f"attention_impl={self.attention_impl!r} must be one of {list(ATTENTION_IMPLS)}.")
         if self.loss_impl not in LOSS_IMPLS:
             fail(f"loss_impl={self.loss_impl!r} must be one of {list(LOSS_IMPLS)}.")
-        if self.mlp_impl not in MLP_IMPLS:
-            fail(f"mlp_impl={self.mlp_impl!r} must be one of {list(MLP_IMPLS)}.")
-        if self.mlp_impl == "fused" and self.compute_dtype != "bfloat16":
-            fail(
-                f"mlp_impl='fused' runs in bf16, but compute_dtype={self.compute_dtype!r}; use "
-                "mlp_impl=reference or compute_dtype=bfloat16."
-            )
-        if self.loss_programs_per_sm < 0:
-            fail(
-                f"loss_programs_per_sm={self.loss_programs_per_sm} must be >= 0 (0: one program per row; "
-                "k: k programs per multiprocessor)."
-            )
         n = self.num_layers
         lists = (
             "attn_layers",

@@ -97,10 +97,6 @@ class GPT(nn.Module):
         self.topo = topo = Topology.of(cfg)
         self.compute_dtype = COMPUTE_DTYPES[cfg.compute_dtype]
         device = torch.device(device)
-        if cfg.mlp_impl == "fused" and device.type != "meta":
-            from track_1_short.perf.kernels.relu2_mlp import check_device
-
-            check_device(device)  # a clear error now, not at the first forward
         build = "meta" if device.type == "meta" else "cpu"
         d, h, hd, vp, L = cfg.model_dim, cfg.num_heads, cfg.head_dim, topo.vocab_padded, cfg.num_layers
         bf16, f32 = torch.bfloat16, torch.float32
@@ -446,7 +442,7 @@ class GPT(nn.Module):
         args = (cfg.logit_cap, cfg.logit_shift, cfg.logit_temperature, cfg.loss_chunk_rows)
         if evaluation:
             return loss(hidden, self.lm_head, targets, mtp, *args)
-        return loss(hidden, self.lm_head, targets, mtp, *args, cfg.loss_impl, cfg.loss_programs_per_sm)
+        return loss(hidden, self.lm_head, targets, mtp, *args, cfg.loss_impl)
 
     @torch.no_grad()
     def val_loss_sum(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, windows) -> Tensor:
@@ -608,11 +604,11 @@ class GPT(nn.Module):
                 x = x * resid[i, 1]
             else:
                 mlp_in = norm(x)
-                out = relu2_mlp(mlp_in, mlp[i][0], mlp[i][1], cfg.mlp_impl)
+                out = relu2_mlp(mlp_in, mlp[i][0], mlp[i][1])
                 post_mlp = mu[:, 13:14] if mu is not None else post[i, 1]
                 if i == cfg.parallel_mlp_layer:
                     p = L  # the parallel MLP's bank slot
-                    out = out + relu2_mlp(mlp_in, mlp[p][0], mlp[p][1], cfg.mlp_impl)
+                    out = out + relu2_mlp(mlp_in, mlp[p][0], mlp[p][1])
                 x = (mu[:, 12:13] if mu is not None else resid[i, 1]) * x + post_mlp * out
             if i in topo.cache_layers:
                 cache[i] = x
@@ -680,3 +676,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, windows: list[int] | None = 
         f += 2 * d * cfg.mudd_dim + 2 * cfg.mudd_dim * n1 * (1 + cfg.mudd_groups)
     f += len(topo.ve_gated_layers) * 2 * (2 * cfg.ve_gate_channels) * h
     return 3.0 * f
+
+
+def param_inventory(cfg: ModelConfig) -> dict[str, tuple[dict, tuple[int, ...], torch.dtype]]:
+    """label -> (param-table entry, shape, dtype) of the GPT that ``cfg`` builds, read from a model on the
+    meta device (no memory, no init): the one source of the table for benchmarks and tests."""
+    model = GPT(cfg, device="meta")
+    table = model.param_table()
+    return {label: (table[label], tuple(p.shape), p.dtype) for label, p in model.label_parameters().items()}

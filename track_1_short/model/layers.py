@@ -28,19 +28,9 @@ def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
 
-MLP_IMPLS = ("reference", "fused")
-
-
-def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor, impl: str = "reference") -> Tensor:
+def relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
     """relu(x @ c_fc.T)^2 @ c_proj: x [T, D]; c_fc and c_proj both stored [hidden, D] (upstream's banks).
-
-    impl (model.mlp_impl): "reference", torch ops; "fused", the square and its backward in the epilogues of
-    a Triton GEMM (track_1_short/perf/kernels/relu2_mlp.py; bf16, CUDA or the interpreter).
-    """
-    if impl == "fused":
-        from track_1_short.perf.kernels.relu2_mlp import relu2_mlp_fused
-
-        return relu2_mlp_fused(x, c_fc.type_as(x), c_proj.type_as(x))
+    Inductor fuses the square into its own elementwise kernels."""
     h = F.relu(x @ c_fc.type_as(x).T)  # [T, hidden]
     return h.square() @ c_proj.type_as(x)  # [T, D]
 
@@ -195,21 +185,18 @@ def _reference_block(x, weight, tgt, valid, w_k, row_weight, cap, shift, tempera
     return block
 
 
-def _fused_block(tgt, valid, w_k, row_weight, cap, shift, temperature, need_grad, programs_per_sm=0):
+def _fused_block(tgt, valid, w_k, row_weight, cap, shift, temperature, need_grad):
     """The per-chunk loss and logit gradient as one Triton kernel over the GEMM's output, the gradient
-    written over it (track_1_short/perf/kernels/softcapped_ce.py): the same contract as _reference_block.
-    programs_per_sm: model.loss_programs_per_sm (0: one program per row)."""
-    from track_1_short.perf.kernels.interpreter import multiprocessors
+    written over it (track_1_short/perf/kernels/softcapped_ce.py): the same contract as _reference_block."""
     from track_1_short.perf.kernels.softcapped_ce import softcapped_ce_rows_
 
-    programs = programs_per_sm * multiprocessors(tgt.device) if programs_per_sm else None
     targets_kt = tgt.contiguous()
     coef = (valid.float() * w_k[:, None]).contiguous()  # [K, T]: target k's weight, 0 past the batch's end
     row_weight = row_weight.float().contiguous()
 
     def block(logits: Tensor, lo: int, hi: int) -> tuple[Tensor, Tensor | None]:
         loss_rows = softcapped_ce_rows_(
-            logits, targets_kt, coef, row_weight, lo, cap, shift, temperature, need_grad, programs=programs
+            logits, targets_kt, coef, row_weight, lo, cap, shift, temperature, need_grad
         )
         return loss_rows.sum(), (logits if need_grad else None)
 
@@ -228,7 +215,6 @@ def _softcapped_ce_sum(
     chunk_rows: int,
     need_grad: bool,
     impl: str,
-    programs_per_sm: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss fp32 0-D, dloss/dx like x, dloss/dweight like weight); the gradients are empty without need_grad.
 
@@ -252,7 +238,7 @@ def _softcapped_ce_sum(
     ).clamp(max=num_tokens - 1)
     tgt = targets[idx]
     if impl == "fused":
-        block = _fused_block(tgt, valid, w_k, row_weight, cap, shift, temperature, need_grad, programs_per_sm)
+        block = _fused_block(tgt, valid, w_k, row_weight, cap, shift, temperature, need_grad)
     else:
         block = _reference_block(
             x, weight, tgt, valid, w_k, row_weight, cap, shift, temperature, chunk_rows, need_grad
@@ -290,7 +276,7 @@ def _softcapped_ce_sum(
 
 @_softcapped_ce_sum.register_fake
 def _softcapped_ce_sum_fake(
-    x, weight, targets, mtp_weights, cap, shift, temperature, chunk_rows, need_grad, impl, programs_per_sm
+    x, weight, targets, mtp_weights, cap, shift, temperature, chunk_rows, need_grad, impl
 ):
     total = x.new_empty((), dtype=torch.float32)
     if not need_grad:
@@ -357,7 +343,6 @@ def softcapped_cross_entropy_sum(
     temperature: float,
     chunk_rows: int,
     impl: str = "reference",
-    programs_per_sm: int = 0,
 ) -> Tensor:
     """Summed multi-token softcapped CE of hidden states x [T, D] against lm_head ``weight`` [D, V]; fp32 0-D.
 
@@ -372,8 +357,7 @@ def softcapped_cross_entropy_sum(
     new graph.
 
     impl: one of LOSS_IMPLS; "auto" is "fused" on CUDA, "reference" elsewhere (the interpreter runs the
-    kernel on a CPU, but slower than the eager ops). programs_per_sm: the fused kernel's grid
-    (model.loss_programs_per_sm); the reference ignores it.
+    kernel on a CPU, but slower than the eager ops).
     """
     if impl not in LOSS_IMPLS:
         raise ValueError(f"loss impl {impl!r} must be one of {list(LOSS_IMPLS)} (model.loss_impl).")
@@ -391,6 +375,5 @@ def softcapped_cross_entropy_sum(
         chunk_rows,
         need_grad,
         impl,
-        programs_per_sm,
     )
     return loss

@@ -19,46 +19,21 @@ fullgraph=True)``), one graph per (shape, dtype, betas, eps); on the CPU it runs
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
+
+from track_1_short.optim.hyper import (  # noqa: F401  (the reference's public names, re-exported)
+    AdamParamConfig,
+    adam_step_scalars,
+    first_moment_correction,
+    second_moment_correction,
+)
 
 # One compiled graph per (shape, dtype, betas, eps) of every Adam tensor that takes the reference path: the 13
 # replicated tensors plus the sharded ones need about 20; dynamo's default limit of 8 would silently fall back
 # to eager (and to different numerics) from the ninth shape on.
 _RECOMPILE_LIMIT = 64
-
-
-class AdamParamConfig(Protocol):
-    """The attributes an Adam step reads from a parameter's config (``ParamConfig`` in optim/anvil.py)."""
-
-    adam_betas: Sequence[float]  # (beta1, beta2)
-    lr: float  # current base lr (initial lr times the schedule multiplier)
-    lr_mul: float  # per-parameter lr multiplier
-    eps: float  # added to sqrt(v)
-    weight_decay: float  # base decay
-    wd_mul: float  # per-parameter decay multiplier
-
-
-def first_moment_correction(beta1: float, step: int) -> float:
-    """``1 - beta1^step`` in double precision (the divisor of the step size)."""
-    return 1.0 - beta1**step
-
-
-def second_moment_correction(beta2: float, step: int) -> float:
-    """``sqrt(1 - beta2^step)`` in double precision (the factor of the step size)."""
-    return math.sqrt(1.0 - beta2**step)
-
-
-def adam_step_scalars(cfg: AdamParamConfig, step: int) -> tuple[float, float]:
-    """(step_size, eff_wd) of Adam step ``step`` (1-based) in Python doubles; callers round once to fp32."""
-    beta1, beta2 = cfg.adam_betas
-    lr = cfg.lr * cfg.lr_mul
-    step_size = lr * second_moment_correction(beta2, step) / first_moment_correction(beta1, step)
-    eff_wd = ((lr * lr) * cfg.weight_decay) * cfg.wd_mul
-    return step_size, eff_wd
 
 
 def _sqrt_rn(v: torch.Tensor) -> torch.Tensor:

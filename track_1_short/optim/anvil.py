@@ -51,7 +51,13 @@ import torch
 
 from track_1_short import distributed
 from track_1_short.optim import adam as reference_adam
-from track_1_short.optim.anvil_bank import AnvilBank, bank_update_, scalar_row, scalars_size
+from track_1_short.optim.anvil_bank import (
+    AnvilBank,
+    bank_update_,
+    scalar_row,
+    scalars_size,
+    triton_bank_update_,
+)
 from track_1_short.optim.param_config import (
     ParamConfig,
     ParamTableError,
@@ -73,10 +79,8 @@ __all__ = [
 STATE_FORMAT = "anvil_adam/1"
 """Tag of the state_dict layout; load_state_dict refuses any other."""
 
-REPLICATED_IMPLS = ("fused", "device", "reference")
-REPLICATED_HOSTS = ("native", "python")  # perf/host_step.py: who does the device mode's per-step host work
-SCALAR_UPLOADS = ("batched", "per_bank")
-BANK_UPDATES = ("eager", "compiled", "triton")
+REPLICATED_IMPLS = ("fused", "reference")
+BANK_UPDATES = ("eager", "triton")
 CASCADE_GRAMS = GRAMS
 
 
@@ -109,74 +113,37 @@ class OptimConfig:
     frobenius_margin: float = 1.05
     """The cascade divides by margin * ||X||_F; its maps are derived for 1.05."""
     replicated_impl: str = "fused"
-    """Replicated Adam: "fused" (flat buffers, one all_reduce and one kernel per dtype), "device" (the same
-    with the host's work on the device: gradients gathered from a table of their addresses, the scalar table
-    built on the device, one Adam launch, CUDA graphs) or "reference" (per-parameter all_reduce and Adam
-    step). All three give the same parameters. "fused" is the default: on the one-GPU preset "device" ends
-    bitwise equal at the same speed (perf/RESULTS.md, record_1gpu_det_*.json), since the step is GPU-bound
-    and waits for none of the host work that "device" removes (79 against 96 host us per Adam step in
-    perf/bench_replicated_adam.py); so the path with fewer moving parts stays the default."""
-    replicated_host: str = "native"
-    """With replicated_impl="device", who does the per-step host work (read the gradients' addresses and the
-    configs, count the steps, write the pinned rows): "native" (C++, perf/host_step.py, built on first use
-    with the machine's compiler and ninja) or "python" (its reference). Both write the same rows."""
+    """Replicated Adam: "fused" (flat buffers, one all_reduce and one Triton launch per dtype:
+    track_1_short/perf/replicated_adam.py) or "reference" (per-parameter all_reduce and Adam step,
+    optim/adam.py). Both give the same parameters, bitwise (tests/optim/test_anvil.py). Figure:
+    perf/RESULTS.md, "Replicated Adam"."""
     replicated_graphs: bool = True
-    """On CUDA, replay the replicated Adam step's launches as CUDA graphs: "fused" one graph per step (the
-    table's upload and both dtypes' kernels: perf/replicated_adam_graphs.py), "device" its gather, reduce
-    and update graphs. Each graph is trusted only after one replay matched the eager step bit for bit, so the
-    parameters are the same either way; false launches every kernel from Python."""
-    scalar_upload: str = "batched"
-    """How set_schedule sends the banks' per-step scalars (rail betas, decay, per-matrix lr) to the device:
-    "batched" (one host row for every bank, one pinned non-blocking copy a step:
-    track_1_short/perf/bank_scalars.py) or "per_bank" (each bank its own pageable copy, which the host waits
-    for). Both give the same parameters (bitwise, tested on CUDA); "batched" keeps the host from waiting on
-    the GPU in set_schedule."""
+    """On CUDA, replay the fused replicated Adam step (the table's upload and each dtype's kernel) as one CUDA
+    graph (perf/replicated_adam_graphs.py). A graph is trusted only after one replay matched the eager step
+    bit for bit, so the parameters are the same either way; false launches every kernel from Python."""
     bank_update: str = "eager"
-    """How each ANVIL bank's update (rails, cascade, lane equaliser, master step) runs: "eager" (op by op,
-    about a hundred small kernels a bank) or "compiled" (one torch.compile graph a bank, made on its first
-    step and replayed: track_1_short/perf/bank_compile.py). The same operations in the same order; compiled
-    through Inductor they agree within fp32 rounding on the CPU (tests/optim/test_anvil_bank_compiled.py).
-    On an H200 compiled takes the track-1 banks' step from 8.78 to 4.76 ms (perf/RESULTS.md); it stays
-    opt-in until its CUDA agreement tests pass (two failed on their first H200 run). "triton": the phases
-    outside the cascade as three Triton kernels (track_1_short/perf/kernels/anvil_bank.py; no torch.compile),
-    the rails bitwise eager and the step within fp32 summation bounds (tests/perf/test_anvil_bank_triton.py);
-    it needs CUDA, or Triton's interpreter on the CPU. On an H100 it takes the track-1 banks' step from 10.48
-    to 5.79 ms (perf/RESULTS.md, optimizer_triton.json); the record presets use it."""
+    """How each ANVIL bank's update runs: "eager" (op by op, track_1_short/optim/anvil_bank.py, the reference)
+    or "triton" (the phases outside the cascade as three Triton kernels:
+    track_1_short/perf/kernels/anvil_bank.py), the rails bitwise eager and the step within fp32 summation
+    bounds (tests/perf/test_anvil_bank_triton.py). "triton" needs CUDA, or Triton's interpreter on the CPU.
+    The record presets use it. Figure: perf/RESULTS.md, "Optimizer step"."""
     cascade_gram: str = "bmm"
-    """What computes the two symmetric products of each cascade round (the Gram A and b A + c A A): "bmm"
-    (torch.bmm/baddbmm, the reference) or "triton" (track_1_short/perf/kernels/sym_gram.py: only the output
-    tiles on or above the diagonal, mirrored; a little over half those multiply-adds). They agree within bf16
-    rounding (tests/perf/test_sym_gram.py), not bitwise. "triton" needs CUDA, or Triton's interpreter on the
-    CPU (TRITON_INTERPRET=1, which CPU runs and tests set); it works with either bank_update. "folded": bmm
-    with a X + X B computed as X (a I + B) and the normalisation carried by the first round's small factor,
-    so that five of the six applications are plain bmms and X is never copied or divided
-    (track_1_short/optim/polar_express.py); within rounding of "bmm", its spectrum in the same band
-    (tests/optim/test_polar_express.py). On an H100 the step for all banks 5.06 -> 4.26 ms (perf/RESULTS.md,
-    optimizer_folded.json). "squared": "folded" with b A + c A A of each folded round computed as a plain
-    bmm of the shifted Gram (A + delta I) with itself (completing the square; X carried at a scale that
-    absorbs c), so that no baddbmm copies the small matrix either; the same bounds, the same tests. On an H100
-    the step for all banks 4.03 -> 3.78 ms against "folded" (optimizer_squared.json); the record presets use
-    it, the base config keeps the reference. "gram_space": the rounds run on the fp16 Gram matrix, X formed
-    again every two rounds (Gram Newton-Schulz), on the banks whose matrices are long enough for it
-    to pay (``polar_express.route_for``: the track-1 MLP bank), "squared" on the others; the same bounds,
-    the same tests. On an H100 the step for all banks 3.56 -> 3.30 ms against "squared"
-    (optimizer_gram_space.json); the record presets use it."""
+    """How the cascade's products run (track_1_short/optim/polar_express.py): "bmm" (torch bmm/baddbmm, the
+    reference), "squared" (the application a X + X B folded into X (a I + B) and b A + c A A computed as the
+    square of the shifted Gram, so that no baddbmm copies X or A) or "gram_space" (the rounds on the fp16
+    Gram matrix, X formed again every two rounds, on the banks where it pays; "squared" on the others). The
+    routes agree within rounding, their spectra in the same band (tests/optim/test_polar_express.py). The
+    record presets use "gram_space". Figure: perf/RESULTS.md, "Optimizer step"."""
     bank_graphs: bool = False
     """Capture each bank's update (whichever ``bank_update``) in a CUDA graph on its first step and replay it
     afterwards: one launch a bank instead of 25 to 100 from Python (track_1_short/perf/bank_graphs.py). The
-    first step runs eagerly, is rewound, captured and replayed, and the graph is kept only if its bits equal
-    the eager run's; replays are bitwise the ungraphed update (tests/perf/test_bank_graphs.py). CUDA only.
-    Off here, on in the one-GPU preset: alone it bought nothing where the host is fast (on one H200 the
-    optimizer step for all banks 4.53 -> 4.48 ms, optimizer_graphs_h200.json), but with bank_streams it took
-    stage 2 from 645.0 to 635.4 ms in the trainer on a slow H100 host (perf/RESULTS.md,
-    train_step_levers_streams.json)."""
+    graph is kept only if its bits equal the eager run's (tests/perf/test_bank_graphs.py). CUDA only; on in
+    the one-GPU preset. Figure: perf/RESULTS.md, "Train step"."""
     bank_streams: bool = False
-    """Run each bank's update on a CUDA stream of its own, all launched before any is waited for, so that the
-    small banks' kernels run beside the MLP bank's (track_1_short/perf/bank_streams.py); the all-gathers of
-    the banks follow once every update is done. The same kernels on the same operands: bitwise the serial
-    order (tests/perf/test_bank_streams.py). CUDA only. On one H100 the step for all banks 4.11 -> 3.98 ms
-    with bank graphs (optimizer_streams.json); on in the one-GPU preset, off in the 8-GPU one until measured
-    there (its gathers would wait for every bank's update)."""
+    """Run each bank's update on a CUDA stream of its own, all launched before any is waited for
+    (track_1_short/perf/bank_streams.py); the gathers follow once every update is done. Bitwise the serial
+    order (tests/perf/test_bank_streams.py). CUDA only; on in the one-GPU preset, off in the 8-GPU one until
+    measured there. Figure: perf/RESULTS.md, "Train step"."""
     adam_every: int = 2
     """Adam updates on steps with step % adam_every == adam_every - 1 (upstream: odd steps)."""
     value_embed_period4_start: int = 336
@@ -213,14 +180,8 @@ def validate_optim_config(cfg) -> None:
         raise ValueError(
             f"optim.replicated_impl={cfg.replicated_impl!r} must be one of {list(REPLICATED_IMPLS)}."
         )
-    if cfg.scalar_upload not in SCALAR_UPLOADS:
-        raise ValueError(f"optim.scalar_upload={cfg.scalar_upload!r} must be one of {list(SCALAR_UPLOADS)}.")
     if cfg.bank_update not in BANK_UPDATES:
         raise ValueError(f"optim.bank_update={cfg.bank_update!r} must be one of {list(BANK_UPDATES)}.")
-    if cfg.replicated_host not in REPLICATED_HOSTS:
-        raise ValueError(
-            f"optim.replicated_host={cfg.replicated_host!r} must be one of {list(REPLICATED_HOSTS)}."
-        )
     if not isinstance(cfg.replicated_graphs, bool):
         raise ValueError(f"optim.replicated_graphs={cfg.replicated_graphs!r} must be true or false.")
     if not isinstance(cfg.bank_graphs, bool):
@@ -308,25 +269,17 @@ class AnvilAndAdam:
             else:
                 bank_shards[label] = shards
         self._bank_staging = None
-        if bank_shards and cfg.scalar_upload == "batched":
+        if bank_shards:
             from track_1_short.perf.bank_scalars import BankScalarStaging
 
             sizes = {label: scalars_size(shards.chunk) for label, shards in bank_shards.items()}
             self._bank_staging = BankScalarStaging(sizes, self.device)
         update_fn = None  # eager: AnvilBank's own bank_update_
-        if bank_shards and cfg.bank_update == "compiled":
-            from track_1_short.perf.bank_compile import compiled_bank_update
-
-            update_fn = compiled_bank_update()  # one callable, one graph per bank on its first step
         if bank_shards and cfg.bank_update == "triton":
-            from track_1_short.perf.kernels.anvil_bank import check_device, triton_bank_update_
+            from track_1_short.perf.kernels.anvil_bank import check_device
 
             check_device(self.device, "optim.bank_update=triton")  # here, not at the first step
             update_fn = triton_bank_update_
-        if bank_shards and cfg.cascade_gram == "triton":
-            from track_1_short.perf.kernels.sym_gram import check_device
-
-            check_device(self.device, "optim.cascade_gram=triton")  # here, not at the first step
         self._bank_streams = None
         if bank_shards and cfg.bank_streams:
             from track_1_short.perf.bank_streams import BankStreams
@@ -357,7 +310,7 @@ class AnvilAndAdam:
                 gram=cfg.cascade_gram,
             )
         self._fused = None
-        if self.replicated_labels and cfg.replicated_impl in ("fused", "device"):
+        if self.replicated_labels and cfg.replicated_impl == "fused":
             from track_1_short.perf.replicated_adam import ReplicatedAdam
 
             labels = self.replicated_labels
@@ -366,9 +319,7 @@ class AnvilAndAdam:
                 [self.param_cfgs[k] for k in labels],
                 [self.states[k] for k in labels],
                 self.device,
-                impl=cfg.replicated_impl,
                 use_cuda_graphs=cfg.replicated_graphs,
-                host=cfg.replicated_host,
             )
         # value_embeds' table betas and wd_mul, which set_schedule squares / doubles on the long cadence, and
         # the Adam labels whose update waits for a later Adam step (their gradient keeps accumulating).
@@ -428,7 +379,7 @@ class AnvilAndAdam:
             due, c.adam_betas, c.wd_mul = value_embed_cadence(self.cfg, step, *self._ve_table)
             self._deferred = frozenset() if due else frozenset({"value_embeds"})
         rows: dict[str, list[float]] = {}
-        for label, bank in self.banks.items():
+        for label in self.banks:
             c, shards = self.param_cfgs[label], self.shards[label]
             mults = c.matrix_lr_mul or (1.0,) * c.reshape[0]
             # Matrices past the end (world padding) get 0: they never move.
@@ -442,12 +393,9 @@ class AnvilAndAdam:
                 fast_weight=fast_weight,
                 eff_lr=[c.lr * c.lr_mul * m for m in owned],
             )
-            if self._bank_staging is None:
-                bank.stage(**values)
-            else:
-                rows[label] = scalar_row(**values)
+            rows[label] = scalar_row(**values)
         if self._bank_staging is not None:
-            self._bank_staging.stage(rows)  # one upload for every bank
+            self._bank_staging.stage(rows)  # one upload for every bank (AnvilBank.stage: one per bank)
 
     # -- the step --
     def step(self, do_adam: bool) -> None:

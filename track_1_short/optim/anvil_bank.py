@@ -36,24 +36,11 @@ from collections.abc import Callable
 
 import torch
 
+from track_1_short.optim.bank_layout import N_SCALARS, scalar_row, scalars_size  # noqa: F401
 from track_1_short.optim.polar_express import orthogonalize, route_for
 
 EQUALISER_EPS = 1e-10
 """Floor of the lane energy and of the post-equalisation norm: an all-zero (pad) matrix stays 0, not NaN."""
-
-_N_SCALARS = 4  # momentum, eff_wd, fast_beta, fast_weight; then eff_lr per matrix
-
-
-def scalars_size(chunk: int) -> int:
-    """Length of a bank's ``scalars`` for a chunk of ``chunk`` matrices."""
-    return _N_SCALARS + chunk
-
-
-def scalar_row(
-    momentum: float, eff_wd: float, fast_beta: float, fast_weight: float, eff_lr: list[float]
-) -> list[float]:
-    """A bank's per-step values in the order of its ``scalars`` (the one layout both uploads write)."""
-    return [momentum, eff_wd, fast_beta, fast_weight, *eff_lr]
 
 
 def split_master(p32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,16 +128,71 @@ def bank_update_(
     ``lane_energy`` and ``mantissa`` (the roles of :class:`AnvilBank`).
 
     Everything that changes between steps is read from the device tensor ``scalars``; the keyword arguments
-    are fixed for a bank's life. So a compiled graph of this function (:mod:`track_1_short.perf.bank_compile`)
-    is made once per bank and replayed every step, and reads no host value. ``gram``: the cascade's route
+    are fixed for a bank's life, so a CUDA graph of this function (:mod:`track_1_short.perf.bank_graphs`) is
+    captured once per bank and replayed every step, and reads no host value. ``gram``: the cascade's route
     (one of :data:`track_1_short.optim.polar_express.GRAMS`, :func:`orthogonalize`)."""
-    momentum, eff_wd, fast_beta, fast_weight = scalars[:_N_SCALARS].unbind()
-    eff_lr = scalars[_N_SCALARS:].view(-1, 1, 1)
+    momentum, eff_wd, fast_beta, fast_weight = scalars[:N_SCALARS].unbind()
+    eff_lr = scalars[N_SCALARS:].view(-1, 1, 1)
     g = grad.float()
     u = twin_rails_(velocity, g, momentum, fast_beta, fast_weight, slow_beta)
     v = orthogonalize(u.bfloat16(), margin, gram).float()
     equalise_lanes_(v, lane_energy, beta2, red_dim)
     sign_gated_step_(weight, mantissa, v, velocity[1], eff_lr, eff_wd)
+
+
+def _check_operands(grad, weight, velocity, lane_energy, mantissa, scalars, red_dim) -> None:
+    chunk, rows, cols = grad.shape
+    lane_shape = (chunk, rows, 1) if red_dim == -1 else (chunk, 1, cols)
+    expected = {
+        "grad": (grad, (chunk, rows, cols), torch.bfloat16),
+        "weight": (weight, (chunk, rows, cols), torch.bfloat16),
+        "velocity": (velocity, (2, chunk, rows, cols), torch.float32),
+        "lane_energy": (lane_energy, lane_shape, torch.float32),
+        "mantissa": (mantissa, (chunk, rows, cols), torch.uint16),
+        "scalars": (scalars, (N_SCALARS + chunk,), torch.float32),
+    }
+    for role, (t, shape, dtype) in expected.items():
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != grad.device:
+            raise ValueError(
+                f"triton_bank_update_: {role} is {tuple(t.shape)} {t.dtype} on {t.device}"
+                f"{'' if t.is_contiguous() else ', not contiguous'}; the kernels need a contiguous {shape} "
+                f"{dtype} on {grad.device} (AnvilBank's own tensors are)."
+            )
+    if red_dim not in (-1, -2):
+        raise ValueError(
+            f"triton_bank_update_: red_dim={red_dim} must be -1 (lanes are rows) or -2 (columns)."
+        )
+
+
+def triton_bank_update_(
+    grad: torch.Tensor,
+    weight: torch.Tensor,
+    velocity: torch.Tensor,
+    lane_energy: torch.Tensor,
+    mantissa: torch.Tensor,
+    scalars: torch.Tensor,
+    *,
+    beta2: float,
+    slow_beta: float,
+    margin: float,
+    red_dim: int,
+    gram: str = "bmm",
+) -> None:
+    """One ANVIL step of a chunk, like :func:`bank_update_` (same operands, same roles, in place), with the
+    phases outside the cascade as the Triton kernels of :mod:`track_1_short.perf.kernels.anvil_bank`
+    (``OptimConfig.bank_update = "triton"``; its docstring says what they replace and how closely they
+    agree): kernel A (rails, lookahead), the torch cascade, kernel B (lane power), the torch
+    lane scale, kernel C (master step). Every operand must be contiguous (AnvilBank's are)."""
+    from track_1_short.perf.kernels.anvil_bank import check_device, lane_power, master_step_, rails_
+
+    check_device(grad.device)
+    _check_operands(grad, weight, velocity, lane_energy, mantissa, scalars, red_dim)
+    u = rails_(grad, velocity, scalars, slow_beta)
+    # Kernels B and C read the cascade's bf16 output and widen it as they load: no fp32 copy of V.
+    v = orthogonalize(u, margin, gram).contiguous()
+    power = lane_power(v, red_dim)
+    scale = lane_scale_(power, lane_energy, beta2, v.size(red_dim)).contiguous()
+    master_step_(weight, mantissa, v, scale, velocity[1], scalars, red_dim)
 
 
 class AnvilBank:
@@ -161,9 +203,8 @@ class AnvilBank:
     cols]; ``lane_energy`` fp32 [chunk, rows, 1] (rows >= cols) or [chunk, 1, cols]; ``mantissa`` uint16
     [chunk, rows, cols]; ``scalars`` fp32 [4 + chunk]: momentum, eff_wd, fast_beta, fast_weight, eff_lr per
     matrix (its own tensor, or the given ``scalars``: a slice of a buffer shared by every bank).
-    ``update_fn``: what :meth:`update` calls, :func:`bank_update_` (eager) unless given its compiled graph
-    (:func:`track_1_short.perf.bank_compile.compiled_bank_update`) or the Triton kernels' version
-    (:func:`track_1_short.perf.kernels.anvil_bank.triton_bank_update_`). ``gram``: the cascade's route
+    ``update_fn``: what :meth:`update` calls, :func:`bank_update_` (eager) unless given the Triton kernels'
+    version (:func:`track_1_short.perf.kernels.anvil_bank.triton_bank_update_`). ``gram``: the cascade's route
     (``OptimConfig.cascade_gram``), passed with the other constants after
     :func:`track_1_short.optim.polar_express.route_for` has mapped it for this bank's shape ("gram_space"
     only where it pays, "squared" elsewhere).
@@ -204,8 +245,8 @@ class AnvilBank:
         if scalars is None:
             scalars = torch.zeros(size, dtype=torch.float32, device=dev)
         self.scalars = scalars
-        self.momentum, self.eff_wd, self.fast_beta, self.fast_weight = self.scalars[:_N_SCALARS].unbind()
-        self.eff_lr = self.scalars[_N_SCALARS:].view(chunk, 1, 1)
+        self.momentum, self.eff_wd, self.fast_beta, self.fast_weight = self.scalars[:N_SCALARS].unbind()
+        self.eff_lr = self.scalars[N_SCALARS:].view(chunk, 1, 1)
         self.constants = dict(
             beta2=self.beta2,
             slow_beta=self.slow_beta,
@@ -225,7 +266,7 @@ class AnvilBank:
 
     def update(self) -> None:
         """One ANVIL step of this chunk from ``grad`` (steps 1-4 of the module docstring):
-        :func:`bank_update_` eagerly, or its compiled graph given as ``update_fn`` (the same operands)."""
+        :func:`bank_update_` eagerly, or what was given as ``update_fn`` (the same operands)."""
         self.update_fn(
             self.grad,
             self.weight,

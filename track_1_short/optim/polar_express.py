@@ -13,37 +13,26 @@ first Gram is taken on the raw input and its trace is ||X||_F^2 >= s_max^2, so d
 d = margin * sqrt(trace) * BF16_HEADROOM + eps (and A by d^2) bounds every singular value by 1/margin, bf16
 rounding included, without a separate norm pass. Matmuls run in bf16 with fp32 accumulation; the scaling
 runs in fp32, rounded once to bf16. ``gram`` picks how a round's products run: "bmm" (torch's bmm/baddbmm,
-the reference), "triton" (:mod:`track_1_short.perf.kernels.sym_gram`: the two symmetric products A and
-b A + c A A on only the tiles on or above the diagonal, mirrored) or "folded" (below). The application
-a X + X B is a torch.baddbmm in the first two.
+the reference: the application a X + X B is a torch.baddbmm), "squared" or "gram_space" (below).
 
-"folded" takes out the passes over the large matrix that are not matmuls. A baddbmm's output starts as a
-copy of X (torch copies its input into the result before cuBLAS adds the product), and the first round also
-divides X by d. Both fold into the small [s, s] factor: a X + X B = X (a I + B), and the first round's
-(X / d) (a I + B) = X ((a I + B) / d). Such a round is the Gram, the polynomial, a diagonal add (and in the
-first round a scale) on [B, s, s], then one plain bmm. At the MLP bank's 24 x 2816 x 768 each fold saves a
-read and a write of its 104 MB. The last round stays a baddbmm: there a I + B rounds to bf16 a second time
-(B itself is bf16), and once X has converged every diagonal entry of that factor is the same number, so the
-roundings do not average out: folded, the last round alone scaled every singular value by about 0.9944
-(measured on the three bank shapes; the reference's median is 1.000). In the earlier rounds the later maps
-absorb such an error. The spectrum stays in the reference's band, and the output is within the bound two
-routes that round differently are held to (tests/optim/test_polar_express.py).
-
-"squared" is "folded" with each folded round's polynomial a plain bmm too. A baddbmm's copy of its input
-into the output is paid on the small matrix as well (on an H100 the MLP bank's update spent 0.515 ms a step
-copying X and A into baddbmm outputs with "bmm", 0.085 ms with "squared", the last round's two copies:
-perf/results/optimizer_preset.json). Completing the square,
-a I + b A + c A^2 = c ((A + delta I)^2 + gamma I) with delta = b / 2c and gamma = a / c - delta^2, so a folded
-round is the Gram, a diagonal add, one bmm of the shifted Gram with itself and a second diagonal add. The
-factor c is not applied: X is carried as a scalar multiple lambda_k X_k of the reference's X_k, and a round
-that leaves out c maps lambda_k X_k to lambda_k^5 / c_k X_{k+1}, which is lambda_{k+1} X_{k+1} with the
-coefficients rescaled by powers of lambda_k (``_squared_rounds``). The first round's scale pass (the
+"squared" takes out the passes over the large and the small matrix that are not matmuls. A baddbmm's output
+starts as a copy of its input (torch copies it into the result before cuBLAS adds the product), and the
+first round also divides X by d. Both fold into the small [s, s] factor: a X + X B = X (a I + B), and the
+first round's (X / d) (a I + B) = X ((a I + B) / d); at the MLP bank's 24 x 2816 x 768 each fold saves a read
+and a write of its 104 MB. The polynomial's own baddbmm copies A the same way; completing the square,
+a I + b A + c A^2 = c ((A + delta I)^2 + gamma I) with delta = b / 2c and gamma = a / c - delta^2, so a round
+is the Gram, a diagonal add, one bmm of the shifted Gram with itself, a second diagonal add and one plain bmm
+of X. The factor c is not applied: X is carried as a scalar multiple lambda_k X_k of the reference's X_k, and
+a round that leaves out c maps lambda_k X_k to lambda_k^5 / c_k X_{k+1}, which is lambda_{k+1} X_{k+1} with
+the coefficients rescaled by powers of lambda_k (``_squared_rounds``). The first round's scale pass (the
 normalisation, already there) sets lambda_1, chosen so that lambda_5 = 1: the last round is the reference's
-own baddbmms on the reference's scale, and no lambda strays far from 1 (1.03, 1.16, 1.07, 0.99). The
-shifted Gram and the square round differently from b A + c A A; the later rounds absorb it as they do the
-folding's (the same tests, the same bounds). Squared, the last round's factor would round on its diagonal
-as the folded one does: measured, the median singular value moved to 0.998 (the bank shapes, three seeds).
-The maps' c must be positive (they are).
+own baddbmms on the reference's scale, and no lambda strays far from 1 (1.03, 1.16, 1.07, 0.99). The last
+round stays unfolded: there a I + B would round to bf16 a second time, and once X has converged every
+diagonal entry of that factor is the same number, so the roundings do not average out (folded, the last
+round alone scaled every singular value by about 0.9944; the reference's median is 1.000). In the earlier
+rounds the later maps absorb such errors: the spectrum stays in the reference's band, and the output is
+within the bound two routes that round differently are held to (tests/optim/test_polar_express.py). The
+maps' c must be positive (they are).
 
 "gram_space" runs the rounds on the small Gram matrix itself (Gram Newton-Schulz: Zhang, Amsel, Chen and
 Dao, 2026). With F_k = a I + b R_k + c R_k^2 (wide case; the tall one is its transpose), the next round's Gram
@@ -65,14 +54,14 @@ of two rounds takes one Gram and one application of the large matrix where "squa
 and three more products of [s, s] ones: a gain only where the long side is a few times s (``route_for``; on
 an H100, the whole cascade in a CUDA graph against "squared": the MLP bank's 24 x 2816 x 768 2037 -> 1710
 us, the qk bank's 48 x 256 x 768 279 -> 278 us, the vo bank's 16 x 768 x 768 560 -> 706 us;
-perf/results/cascade_products.json). Not bitwise any other route, it is held to the same bounds as
-"folded" (tests/optim/test_polar_express.py).
+perf/RESULTS.md, "Cascade products"). Not bitwise any other route, it is held to the same bounds as
+"squared" (tests/optim/test_polar_express.py).
 
 Provenance: the maps and the trace trick are those of the upstream record "#360 (ANVIL2)"
 (``ANVIL_MAPS``, ``FROBENIUS_MARGIN``, ``FROBENIUS_EPS`` in modded-nanogpt's
 ``track_1_short/optim/anvil.py``), a successor of the Polar Express cascade (Amsel et al., 2025) used by
-Muon/NorMuon. Upstream computes the Gram matrices with symmetric Triton kernels (half the FLOPs); here they
-are the opt-in ``gram="triton"``.
+Muon/NorMuon. Upstream computes the Gram matrices with symmetric Triton kernels (half the FLOPs); here such
+kernels measured slower than bmm (perf/RESULTS.md, "Superseded").
 """
 
 from __future__ import annotations
@@ -107,7 +96,7 @@ Measured: half of random rank-1 bf16 matrices left the band, some at 24. This fa
 0.8%, inside the flat part of the maps."""
 
 
-GRAMS = ("bmm", "triton", "folded", "squared", "gram_space")
+GRAMS = ("bmm", "squared", "gram_space")
 """The values of ``orthogonalize``'s ``gram`` (``OptimConfig.cascade_gram``)."""
 
 GRAM_SPACE_SEGMENTS = (0, 2, 4)
@@ -116,7 +105,7 @@ GRAM_SPACE_SEGMENTS = (0, 2, 4)
 GRAM_SPACE_MIN_ASPECT = 3.5
 """``route_for`` sends a bank to "gram_space" only where its matrices' long side is at least this many times
 the short one. Measured on an H100 (perf/results/cascade_products.json): faster at 768 x 2816 (3.67), no
-faster at 256 x 768 (3.0), slower at 768 x 768 (1.0)."""
+faster at 256 x 768 (3.0), slower at 768 x 768 (1.0): perf/RESULTS.md, "Cascade products"."""
 
 
 def route_for(gram: str, rows: int, cols: int) -> str:
@@ -164,17 +153,13 @@ def _squared_rounds(maps: tuple[tuple[float, float, float], ...]) -> tuple[list[
 _SQUARED_ROUNDS, _SQUARED_FIRST_FACTOR = _squared_rounds(ANVIL_MAPS)
 
 
-def _gram(x: torch.Tensor, tall: bool, gram: str) -> torch.Tensor:
+def _gram(x: torch.Tensor, tall: bool) -> torch.Tensor:
     # [B, s, s] with s = min(rows, cols): the cheaper of X^T X and X X^T.
-    if gram == "triton":
-        return torch.ops.track_1_short.sym_gram(x, tall)
     return torch.bmm(x.mT, x) if tall else torch.bmm(x, x.mT)
 
 
-def _poly(gram_matrix: torch.Tensor, b: float, c: float, gram: str) -> torch.Tensor:
+def _poly(gram_matrix: torch.Tensor, b: float, c: float) -> torch.Tensor:
     # b A + c A A, [B, s, s]
-    if gram == "triton":
-        return torch.ops.track_1_short.sym_poly(gram_matrix, b, c)
     return torch.baddbmm(gram_matrix, gram_matrix, gram_matrix, beta=b, alpha=c)
 
 
@@ -187,7 +172,7 @@ def _squared_poly(big_a: torch.Tensor, delta: float, gamma: float) -> torch.Tens
 
 
 def _apply(x: torch.Tensor, factor: torch.Tensor, tall: bool) -> torch.Tensor:
-    # X F (tall) or F X (wide): a folded round's application, one plain bmm.
+    # X F (tall) or F X (wide): a squared round's application, one plain bmm.
     return torch.bmm(x, factor) if tall else torch.bmm(factor, x)
 
 
@@ -226,7 +211,7 @@ def _gram_space(x: torch.Tensor, margin: float, tall: bool) -> torch.Tensor:
     # rounds on it, and X formed again from the rounds' product Q, divided into bf16.
     norm = None
     for start, stop in _segments():
-        gram = _gram(x, tall, "bmm")
+        gram = _gram(x, tall)
         first = norm is None
         if first:
             norm = _normaliser(gram, margin)
@@ -237,7 +222,7 @@ def _gram_space(x: torch.Tensor, margin: float, tall: bool) -> torch.Tensor:
         for k in range(start, stop):
             a, b, c = ANVIL_MAPS[k]
             if k + 1 < stop:  # R_k is needed for R_{k+1}: the reference's polynomial, which copies R_k
-                factor = _poly(r, b, c, "bmm")
+                factor = _poly(r, b, c)
                 factor.diagonal(dim1=-2, dim2=-1).add_(a)
                 r = torch.bmm(factor, torch.bmm(factor, r))  # F R F, F a polynomial in R
             else:  # F / c as the squared route forms it; c goes into the division below
@@ -274,37 +259,26 @@ def orthogonalize(x: torch.Tensor, margin: float = 1.05, gram: str = "bmm") -> t
         raise ValueError(f"orthogonalize: margin={margin} must be > 1 (the maps diverge above 1/margin).")
     if gram not in GRAMS:
         raise ValueError(f"orthogonalize: gram={gram!r} must be one of {list(GRAMS)}.")
-    if gram == "triton":
-        from track_1_short.perf.kernels import sym_gram  # registers the ops; imports Triton only when asked
-
-        sym_gram.check_device(x.device, "orthogonalize(gram='triton')")
     tall = x.size(-2) > x.size(-1)
     if gram == "gram_space":
         return _gram_space(x, margin, tall)
-    big_a = _gram(x, tall, gram)
+    big_a = _gram(x, tall)
     norm = _normaliser(big_a, margin)
     big_a = scaled_to_bf16(big_a, norm.square())
-    folded = gram in ("folded", "squared")
-    if not folded:
+    squared = gram == "squared"
+    if not squared:
         x = scaled_to_bf16(x, norm)
     for i, (a, b, c) in enumerate(ANVIL_MAPS):
         if i > 0:
-            big_a = _gram(x, tall, gram)
+            big_a = _gram(x, tall)
         last = i == len(ANVIL_MAPS) - 1  # never folded: see the module docstring
-        if gram == "squared" and not last:
+        if squared and not last:
             poly = _squared_poly(big_a, *_SQUARED_ROUNDS[i])  # the Gram is fresh, not needed after this
-            if i == 0:
+            if i == 0:  # the normalisation of X, carried by the small factor
                 poly = scaled_to_bf16(poly, norm / _SQUARED_FIRST_FACTOR)
             x = _apply(x, poly, tall)
-            continue
-        poly = _poly(big_a, b, c, gram)
-        if folded and not last:
-            poly.diagonal(dim1=-2, dim2=-1).add_(a)  # a I + B, so that the application is a plain bmm
-            if i == 0:
-                poly = scaled_to_bf16(poly, norm)  # the normalisation of X, carried by the small factor
-            x = _apply(x, poly, tall)
         else:
-            x = _apply_linear(x, poly, a, tall)
+            x = _apply_linear(x, _poly(big_a, b, c), a, tall)
     return x
 
 
@@ -313,10 +287,9 @@ def cascade_flops(batch: int, rows: int, cols: int, gram: str = "bmm") -> int:
     plain matmuls.
 
     With s = min(rows, cols) and l = max(rows, cols), per round and matrix of every route but "gram_space":
-    the Gram 2 l s^2, A A 2 s^3 and the application 2 l s^2. A symmetric Gram kernel would halve the first
-    two terms; this counts what runs here. "gram_space", per segment: the Gram and the application (2 l s^2
-    each), and 2 s^3 for each [s, s] product: the polynomial (A A) of every round, F (F R) in every round but
-    the segment's last, and F Q in every round but its first.
+    the Gram 2 l s^2, A A 2 s^3 and the application 2 l s^2. "gram_space", per segment: the Gram and the
+    application (2 l s^2 each), and 2 s^3 for each [s, s] product: the polynomial (A A) of every round,
+    F (F R) in every round but the segment's last, and F Q in every round but its first.
     """
     s, long = min(rows, cols), max(rows, cols)
     if gram not in GRAMS:

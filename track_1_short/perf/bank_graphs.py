@@ -1,6 +1,6 @@
 """ANVIL's per-bank update replayed as a CUDA graph (``OptimConfig.bank_graphs = true``).
 
-What it replaces: the bank update (eager, compiled or Triton: ``OptimConfig.bank_update``) launched op by op
+What it replaces: the bank update (eager or Triton: ``OptimConfig.bank_update``) launched op by op
 from Python on every step. For one bank that is the cascade's 6 rounds of bmm/baddbmm with their casts and
 normalisation, and the rails, equaliser and master kernels: 25 to 100 launches, each with Python and
 dispatcher work on the host. The small banks (qk: 48 matrices of 256 x 768) are short enough on the GPU that
@@ -27,7 +27,7 @@ Invariants (tests/perf/test_bank_graphs.py; the CUDA ones in the same file, mark
 Provenance: upstream's track-1 record #360 replays each bank's compiled update in a CUDA graph (its
 ``track_1_short/optim/anvil.py``); PyTorch's ``torch.cuda.graph`` capture and its rule of warming up on a side
 stream. The eager-then-check capture is this project's (:mod:`track_1_short.perf.graph_check`), as in
-:mod:`track_1_short.perf.replicated_adam_device`.
+:mod:`track_1_short.perf.replicated_adam_graphs`.
 """
 
 from __future__ import annotations

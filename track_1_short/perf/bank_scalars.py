@@ -1,8 +1,8 @@
 """ANVIL's per-step bank scalars in one upload: one host row for every bank, one non-blocking copy per step.
 
-What it replaces (``OptimConfig.scalar_upload = "batched"``; ``"per_bank"`` keeps
-:meth:`track_1_short.optim.anvil_bank.AnvilBank.stage`): in ``AnvilAndAdam.set_schedule``, at the start of
-every step, each bank (3 in the track-1 model) builds a tensor from a Python list and copies it to the
+What it replaces (:meth:`track_1_short.optim.anvil_bank.AnvilBank.stage`, the reference the tests call; no
+switch, as no run would choose the slower path): in ``AnvilAndAdam.set_schedule``, at the start of every
+step, each bank (3 in the track-1 model) builds a tensor from a Python list and copies it to the
 device with ``non_blocking=False``. From pageable memory torch follows that copy with a stream
 synchronisation, so the host waits, once per bank, until the GPU has run everything queued before it: the
 host cannot queue a step while the previous one still runs.
@@ -23,7 +23,7 @@ tensor per step, it allocates nothing per step (a pinned allocation can cost mor
 Invariants (tests/perf/test_bank_scalars.py):
 1. Each bank's view is ``scalars_size(chunk)`` long, at its offset in bank order; the views tile the buffer.
 2. One ``stage()``: one upload of the whole row; afterwards each view holds bitwise what ``AnvilBank.stage``
-   writes for the same values (so both switches train the same parameters and state, bitwise).
+   writes for the same values (so both paths train the same parameters and state, bitwise).
 3. A host row is rewritten only after its event says its previous upload retired (CUDA: pinned rows and CUDA
    events; on the CPU one row and a plain, synchronous copy, or a ring when given an ``event_factory``).
 

@@ -1,10 +1,10 @@
 """ANVIL's bank updates, each on a CUDA stream of its own (``OptimConfig.bank_streams = true``).
 
 What it replaces: every bank's update enqueued on the caller's stream, one after another in work order. The
-small banks leave most of the GPU idle while they run: on an H100 the qk bank's cascade (48 matrices of
-256 x 768) takes 0.32 ms against a 0.09 ms matmul floor and the vo bank's 0.67 against 0.33
-(perf/results/optimizer_folded.json), chains of small matmuls each too short to fill the SMs, and the MLP bank
-starts only when they are done.
+small banks leave most of the GPU idle while they run: their cascades (the qk bank's 48 matrices of
+256 x 768, the vo bank's 16 of 768 x 768) take several times their matmul floor (perf/RESULTS.md, "Optimizer
+step"), chains of small matmuls each too short to fill the SMs, and the MLP bank starts only when they are
+done.
 
 Why it is faster: each bank's update goes on its own stream, which first waits for what the caller's stream
 has queued so far (the bank's reduce-scatter, its shard load, the step's scalar upload). The caller's stream

@@ -3,7 +3,7 @@
 A graph replays the kernels its capture recorded, with the arguments they had then. The check that nothing
 the eager path does was left out of the capture, or recorded with a value of its own (a host scalar read once,
 a kernel chosen differently inside a capture), is that one step replayed writes exactly the bits of the same
-step run eagerly. :mod:`track_1_short.perf.replicated_adam_device` and :mod:`track_1_short.perf.bank_graphs`
+step run eagerly. :mod:`track_1_short.perf.replicated_adam_graphs` and :mod:`track_1_short.perf.bank_graphs`
 make it before they keep a graph.
 """
 

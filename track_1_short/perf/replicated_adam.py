@@ -14,9 +14,7 @@ and uploaded once per step, and each launch replays the compiled kernel bound to
 one CUDA graph replay per step (perf/replicated_adam_graphs.py; ``use_cuda_graphs=False`` launches them
 eagerly). Upstream measured about 7.5x fewer
 microseconds per step than the per-parameter path on an H200 for the 13-tensor set;
-perf/bench_replicated_adam.py measures ours (perf/RESULTS.md). impl="device"
-(perf/replicated_adam_device.py) gathers the gradients and builds the table on the device, and replays the
-step as CUDA graphs.
+perf/bench_replicated_adam.py measures ours (perf/RESULTS.md, "Replicated Adam").
 
 Invariants (each tested in tests/perf/test_replicated_adam.py):
 1. After construction every parameter's .data and its exp_avg / exp_avg_sq are views into the flat buffers,
@@ -24,8 +22,8 @@ Invariants (each tested in tests/perf/test_replicated_adam.py):
 2. The gradient views tile each flat gradient buffer exactly, in parameter order.
 3. Segment ids are parameter indices, grouped by dtype in first-seen order: identical on every rank.
 4. On CUDA the table reaches the device through a ring of pinned slots, a slot rewritten only after its
-   previous upload retired (with CUDA graphs a ticket on the fence the graphs signal, without them one
-   event per slot); on the CPU through a plain copy.
+   previous upload retired (one event per slot, recorded after the slot's copy or graph replay); on the
+   CPU through a plain copy.
 5. A parameter with no gradient this step is skipped whole: its step, moments and value stay as they were.
    (Every rank must see the same parameters without a gradient, as every rank runs the same model.)
 6. The hot-path table is adam_scalar_table's bit for bit, across ring slots and mid-run changes of betas/eps.
@@ -52,9 +50,8 @@ import numpy as np
 import torch
 
 from track_1_short import distributed
-from track_1_short.optim.adam import AdamParamConfig, adam_step_scalars
+from track_1_short.optim.hyper import AdamParamConfig, adam_step_scalars
 from track_1_short.perf.graph_check import same_bits
-from track_1_short.perf.graph_fence import FenceTicket, GraphFence
 from track_1_short.perf.kernels import replicated_adam as kernels
 from track_1_short.perf.kernels.replicated_adam import SCALAR_COLUMNS
 
@@ -65,7 +62,6 @@ SCALAR_TABLE_SLOTS = 8
 FLAT_BUFFERS = ("param", "grad", "exp_avg", "exp_avg_sq")  # a FlatGroup's buffers, in snapshot order
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
-IMPLS = ("fused", "device")
 _CFG_ATTRIBUTES = ("adam_betas", "lr", "lr_mul", "eps", "weight_decay", "wd_mul")
 
 
@@ -170,7 +166,7 @@ class FlatGroup:
     indices: list[int]
     offsets: list[int]  # len(indices) + 1 entries, offsets[-1] == numel
     param: torch.Tensor  # [N] dtype: the storage of every member's .data
-    grad: torch.Tensor  # [N] dtype: the gradients, copied in (or gathered: impl="device"), then reduced
+    grad: torch.Tensor  # [N] dtype: the gradients, copied in, then reduced
     exp_avg: torch.Tensor  # [N] fp32
     exp_avg_sq: torch.Tensor  # [N] fp32
     segment: torch.Tensor  # [N] int32: the parameter index of each element
@@ -496,10 +492,9 @@ class HostScalarTable:
 class ReplicatedAdam:
     """Adam over the replicated parameters, in flat buffers; see the module docstring.
 
-    Per Adam step: ``launch_reduce()`` (Phase 0), then ``update()`` (Phase 2). ``impl`` picks the mode:
-    "fused" (host-built scalar table, one launch per dtype) or "device" (perf/replicated_adam_device.py:
-    gradients gathered and the table built on the device, one launch for every dtype, CUDA graphs on CUDA).
-    Both give the same bits as the per-parameter path of optim/adam.py, and both leave .grad to autograd.
+    Per Adam step: ``launch_reduce()`` (Phase 0), then ``update()`` (Phase 2): a host-built scalar table and
+    one launch per dtype (on CUDA one graph replay per step). It gives the same bits as the per-parameter path
+    of optim/adam.py, and leaves .grad to autograd.
     """
 
     def __init__(
@@ -509,13 +504,9 @@ class ReplicatedAdam:
         param_states: Sequence[dict] | Mapping[torch.Tensor, dict],
         device: torch.device | str,
         *,
-        impl: str = "fused",
         block: int = kernels.DEFAULT_BLOCK,
         use_cuda_graphs: bool = True,
-        host: str = "native",
     ):
-        if impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         kernels._check_block(block)
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -527,62 +518,35 @@ class ReplicatedAdam:
         param_states = per_parameter(params, param_states, "param_states")
         _validate_params(params, param_states, device)
         validate_param_cfgs(params, param_cfgs)
-        self.impl = impl
         self.device = device
         self.block = block
         self.params = params
         self.param_cfgs = param_cfgs
         self.param_states = param_states
-        self._device_mode = None
-        if impl == "device":
-            from track_1_short.perf.replicated_adam_device import DeviceStep
-
-            # Validates what only the device mode needs (leaf parameters, betas it can tabulate) before any
-            # buffer exists.
-            DeviceStep.validate(params, self.param_cfgs)
         self.groups = flatten_replicated(params, param_states, device)
         self.table = torch.zeros((len(params), len(SCALAR_COLUMNS)), dtype=torch.float32, device=device)
-        # With CUDA graphs the fused update's graphs signal a fence, and the ring's slots wait on it (no CUDA
-        # call); otherwise each upload records a CUDA event.
-        fence = GraphFence(device) if impl == "fused" and use_cuda_graphs and device.type == "cuda" else None
-        tickets = None if fence is None else (lambda: FenceTicket(fence))
-        self._ring = UploadRing(self.table, event_factory=tickets) if impl == "fused" else None
-        self._host_table = (
-            HostScalarTable(self.param_cfgs, self.param_states, SCALAR_TABLE_SLOTS)
-            if impl == "fused"
-            else None
-        )
+        self._ring = UploadRing(self.table)
+        self._host_table = HostScalarTable(self.param_cfgs, self.param_states, SCALAR_TABLE_SLOTS)
         # One bound kernel launch per group over its flat buffers (bf16 as int16 bits), made once.
-        self._launches = (
-            [
-                kernels.bind_fused_adam(
-                    g.param, g.grad, g.exp_avg, g.exp_avg_sq, g.segment, self.table, block
-                )
-                for g in self.groups
-            ]
-            if impl == "fused"
-            else []
-        )
+        self._launches = [
+            kernels.bind_fused_adam(g.param, g.grad, g.exp_avg, g.exp_avg_sq, g.segment, self.table, block)
+            for g in self.groups
+        ]
         # Per group: the members' parameter indices and gradient views, as plain lists for the hot path.
         self._members = [(list(g.indices), list(g.grad_views)) for g in self.groups]
         self._handles: list[distributed.Handle] | None = None
         self._active: list[bool] | None = None
         self._addresses = self._current_addresses()
         self._graphs = None
-        if impl == "device":
-            self._device_mode = DeviceStep(self, use_cuda_graphs=use_cuda_graphs, host=host)
-        elif fence is not None:
+        if use_cuda_graphs and device.type == "cuda":
             from track_1_short.perf.replicated_adam_graphs import SlotGraphs
 
-            self._graphs = SlotGraphs(self, fence)
+            self._graphs = SlotGraphs(self)
 
     # ---- the step ------------------------------------------------------------------------------------------
 
     def launch_reduce(self) -> None:
         """Phase 0: gradients into the flat buffers and one async all_reduce(AVG) per dtype."""
-        if self._device_mode is not None:
-            self._device_mode.launch_reduce()
-            return
         if self._handles is not None:
             raise ReplicatedAdamError("launch_reduce() called twice without update() in between")
         params = self.params
@@ -604,9 +568,6 @@ class ReplicatedAdam:
 
     def update(self) -> None:
         """Phase 2: wait for the reduces, build and upload the scalar table, one kernel launch per dtype."""
-        if self._device_mode is not None:
-            self._device_mode.update()
-            return
         if self._handles is None:
             raise ReplicatedAdamError("update() called without launch_reduce(); call launch_reduce() first")
         handles, active = self._handles, self._active
@@ -616,8 +577,8 @@ class ReplicatedAdam:
         slot = self._ring.slot_index
         self._host_table.write(self._ring.host_buffer(), slot, active)
         if self._graphs is not None:
-            # The slot's upload and every launch: one replay once captured, eager once refused; both signal
-            # the fence that the slot's ticket waits on.
+            # The slot's upload and every launch: one replay once captured, eager once refused; the slot's
+            # event follows either.
             self._graphs.run(slot)
             self._ring.mark_uploaded()
             return
@@ -628,9 +589,6 @@ class ReplicatedAdam:
 
     def zero_grad(self) -> None:
         """Clear the gradients: .grad = None."""
-        if self._device_mode is not None:
-            self._device_mode.zero_grad()
-            return
         for p in self.params:
             p.grad = None
 

@@ -1,5 +1,8 @@
 """ANVIL's per-bank update outside the cascade as Triton kernels (``OptimConfig.bank_update = "triton"``).
 
+:func:`track_1_short.optim.anvil_bank.triton_bank_update_` runs them in order around the cascade; this
+module holds the kernels and their launchers only, so it imports nothing of the optimizer.
+
 What it replaces (``"eager"``): the elementwise and reduction phases of
 :func:`track_1_short.optim.anvil_bank.bank_update_` run op by op: the gradient's widening, both rails' lerps,
 the blend and lookahead and the cast to bf16 (:func:`~track_1_short.optim.anvil_bank.twin_rails_`); the
@@ -15,10 +18,9 @@ mantissa and writes weight and mantissa. Both widen V to fp32 as they load it (e
 writes an fp32 copy of V first: for the MLP bank's 52M elements that copy and the doubled reads were about
 0.5 GB of traffic a step. The equaliser's per-lane arithmetic between B and C
 (:func:`~track_1_short.optim.anvil_bank.lane_scale_`: energy EMA, gains, the two Frobenius norms) stays torch
-ops on [chunk, lanes] tensors (one value per lane: 1/256 of the bank or less at the track-1 shapes). Unlike
-``"compiled"`` there is no torch.compile: each kernel is JIT-compiled by Triton on its first launch for a new
-set of constexprs and cached. Measured on one H100 (perf/RESULTS.md, optimizer_triton.json,
-``perf/bench_optimizer.py --bank-update eager triton``): the step for all banks 10.48 -> 5.79 ms.
+ops on [chunk, lanes] tensors (one value per lane: 1/256 of the bank or less at the track-1 shapes). Each
+kernel is JIT-compiled by Triton on its first launch for a new set of constexprs and cached. Measured with
+``perf/bench_optimizer.py --bank-update eager triton``: perf/RESULTS.md, "Optimizer step".
 
 Numerics (tests/perf/test_anvil_bank_triton.py):
 - Kernel A rounds every operation as the eager path does. torch's lerp(a, b, w) is ``a + w (b - a)`` for
@@ -58,8 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from track_1_short.optim.anvil_bank import _N_SCALARS, lane_scale_
-from track_1_short.optim.polar_express import orthogonalize
+from track_1_short.optim.bank_layout import N_SCALARS
 from track_1_short.perf.kernels.bf16_bits import load_bf16, round_to_bf16_bits, widen_bf16
 from track_1_short.perf.kernels.interpreter import check_device as _check_device
 from track_1_short.perf.kernels.interpreter import runs_interpreted
@@ -191,58 +192,7 @@ def interpreted() -> bool:
 def check_device(device: torch.device | str, what: str = "optim.bank_update=triton") -> None:
     """Raise a RuntimeError naming ``what`` unless these kernels can run on ``device`` (CUDA, or any device
     under Triton's interpreter)."""
-    _check_device(device, what, interpreted(), "anvil_bank", "optim.bank_update=eager (or compiled)")
-
-
-def _check_operands(grad, weight, velocity, lane_energy, mantissa, scalars, red_dim) -> None:
-    chunk, rows, cols = grad.shape
-    lane_shape = (chunk, rows, 1) if red_dim == -1 else (chunk, 1, cols)
-    expected = {
-        "grad": (grad, (chunk, rows, cols), torch.bfloat16),
-        "weight": (weight, (chunk, rows, cols), torch.bfloat16),
-        "velocity": (velocity, (2, chunk, rows, cols), torch.float32),
-        "lane_energy": (lane_energy, lane_shape, torch.float32),
-        "mantissa": (mantissa, (chunk, rows, cols), torch.uint16),
-        "scalars": (scalars, (_N_SCALARS + chunk,), torch.float32),
-    }
-    for role, (t, shape, dtype) in expected.items():
-        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != grad.device:
-            raise ValueError(
-                f"triton_bank_update_: {role} is {tuple(t.shape)} {t.dtype} on {t.device}"
-                f"{'' if t.is_contiguous() else ', not contiguous'}; the kernels need a contiguous {shape} "
-                f"{dtype} on {grad.device} (AnvilBank's own tensors are)."
-            )
-    if red_dim not in (-1, -2):
-        raise ValueError(
-            f"triton_bank_update_: red_dim={red_dim} must be -1 (lanes are rows) or -2 (columns)."
-        )
-
-
-def triton_bank_update_(
-    grad: torch.Tensor,
-    weight: torch.Tensor,
-    velocity: torch.Tensor,
-    lane_energy: torch.Tensor,
-    mantissa: torch.Tensor,
-    scalars: torch.Tensor,
-    *,
-    beta2: float,
-    slow_beta: float,
-    margin: float,
-    red_dim: int,
-    gram: str = "bmm",
-) -> None:
-    """One ANVIL step of a chunk, like :func:`track_1_short.optim.anvil_bank.bank_update_` (same operands,
-    same roles, in place): kernel A (rails, lookahead), the torch cascade, kernel B (lane power), the torch
-    lane scale, kernel C (master step). Every operand must be contiguous (AnvilBank's are)."""
-    check_device(grad.device)
-    _check_operands(grad, weight, velocity, lane_energy, mantissa, scalars, red_dim)
-    u = rails_(grad, velocity, scalars, slow_beta)
-    # Kernels B and C read the cascade's bf16 output and widen it as they load: no fp32 copy of V.
-    v = orthogonalize(u, margin, gram).contiguous()
-    power = lane_power(v, red_dim)
-    scale = lane_scale_(power, lane_energy, beta2, v.size(red_dim)).contiguous()
-    master_step_(weight, mantissa, v, scale, velocity[1], scalars, red_dim)
+    _check_device(device, what, interpreted(), "anvil_bank", "optim.bank_update=eager")
 
 
 def _check_v(v: torch.Tensor, what: str) -> bool:
@@ -335,7 +285,7 @@ def master_step_(
         cols,
         rows if lanes_are_rows else cols,
         LANES_ARE_ROWS=lanes_are_rows,
-        N_SCALARS=_N_SCALARS,
+        N_SCALARS=N_SCALARS,
         V_BF16=v_bf16,
         BLOCK=ELEMENTWISE_BLOCK,
         enable_fp_fusion=False,

@@ -7,10 +7,9 @@ scaled changes of precision between bf16 and fp16 (:func:`track_1_short.optim.po
 on contiguous CUDA inputs outside torch.compile).
 
 Why it is faster: the mixed-dtype, broadcast division goes through TensorIterator's non-vectorised path
-with a dynamic cast per element; on an H100 the two such divisions of a squared-cascade MLP bank update took
-0.137 ms for 2 x 28 MB of bf16 (perf/results/optimizer_preset.json's kernel table), about a quarter of the
-copy rate. Here each program reads a contiguous block of one matrix in wide loads, reads its divisor once,
-and writes bf16.
+with a dynamic cast per element, at about a quarter of the copy rate (perf/RESULTS.md, "Optimizer step",
+and its kernel tables). Here each program reads a contiguous block of one matrix in wide loads, reads its
+divisor once, and writes bf16.
 
 Invariants (tests/perf/test_bf16_div.py, under the interpreter on the CPU and on the GPU): the bits of
 torch.div's for every finite input (the quotient in fp32 with IEEE division, ``div_rn``; Triton's ``/`` is

@@ -31,11 +31,3 @@ def check_device(
             f"interpreter (TRITON_INTERPRET=1 set before track_1_short.perf.kernels.{kernels} is "
             f"imported); got a {device.type} tensor. Use {instead} on this device."
         )
-
-
-def multiprocessors(device: torch.device) -> int:
-    """The device's streaming multiprocessors, what a persistent grid is sized by (1 off CUDA: the
-    interpreter runs programs one by one)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -15,10 +15,7 @@ logit in bf16, where the reference (model/layers.py, eager torch ops over fp32 [
 60. The one-hot terms touch K columns of the row: the second pass writes every column without them, and after
 a block barrier (every store of the pass has landed) the K target columns are written again with them, rather
 than comparing every column with the K targets. Each element is otherwise read and written by the same
-program only, so the in-place gradient is race-free. With ``programs`` (``model.loss_programs_per_sm``) a
-grid of that many programs strides over the rows: the same row body in the same order, so the same bits,
-with fewer rows in flight, so that the second pass may find its 100 KB row (bf16, the record's vocabulary)
-still in L2 and move about 4 bytes per logit from memory instead of 6 (unmeasured on a GPU so far).
+program only, so the in-place gradient is race-free.
 
 bf16 loads widen exactly and bf16 stores round to nearest even in integer arithmetic (kernels/bf16_bits.py),
 so the interpreter and the GPU round alike. exp, log and sigmoid are Triton's (approximate on the GPU, within
@@ -147,22 +144,14 @@ def _softcapped_ce_rows_kernel(
     shift,
     inv_t,  # 1 / temperature (fp32)
     grad_scale,  # cap / temperature
-    rows,
     K: tl.constexpr,
     KP: tl.constexpr,  # K rounded up to a power of two (Triton's vector sizes)
     IS_BF16: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
-    PERSISTENT: tl.constexpr,
 ):
     args = (u_ptr, u_stride, tgt_ptr, coef_ptr, row_weight_ptr, loss_ptr, tgt_stride, lo, V, cap, shift)
-    if PERSISTENT:
-        # Programs stride over the rows, fewer of them in flight than one program per row keeps, so that
-        # pass 2 may re-read a row that pass 1 left in L2.
-        for row in range(tl.program_id(0), rows, tl.num_programs(0)):
-            _ce_row(row, *args, inv_t, grad_scale, K, KP, IS_BF16, WRITE_GRAD, BLOCK)
-    else:
-        _ce_row(tl.program_id(0), *args, inv_t, grad_scale, K, KP, IS_BF16, WRITE_GRAD, BLOCK)
+    _ce_row(tl.program_id(0), *args, inv_t, grad_scale, K, KP, IS_BF16, WRITE_GRAD, BLOCK)
 
 
 def softcapped_ce_rows_(
@@ -176,7 +165,6 @@ def softcapped_ce_rows_(
     temperature: float,
     write_grad: bool,
     *,
-    programs: int | None = None,
     block: int | None = None,
     num_warps: int = _NUM_WARPS,
 ) -> torch.Tensor:
@@ -187,8 +175,8 @@ def softcapped_ce_rows_(
     [K, T] (clamped to the batch), coef fp32 [K, T] (the weight of target k of row t, 0 where t + k >= T),
     row_weight fp32 [T] (the softmax normaliser weight of every row). All on u's device.
 
-    programs: how many programs stride over the rows (None: one per row); block, num_warps: the columns of a
-    loop iteration (None: BLOCK_GPU on CUDA, the whole row under the interpreter) and the warps of a program.
+    block, num_warps: the columns of a loop iteration (None: BLOCK_GPU on CUDA, the whole row under the
+    interpreter) and the warps of a program.
     """
     rows, vocab = u.shape
     k = targets.size(0)
@@ -199,11 +187,9 @@ def softcapped_ce_rows_(
     loss = torch.empty(rows, dtype=torch.float32, device=u.device)
     is_bf16 = u.dtype == torch.bfloat16
     on_gpu = u.device.type == "cuda"
-    if programs is not None and programs < 1:
-        raise ValueError(f"softcapped_ce_rows_: programs must be at least 1 or None, got {programs}")
     if block is None:
         block = BLOCK_GPU if on_gpu else min(BLOCK_INTERPRETER, triton.next_power_of_2(vocab))
-    grid = (rows if programs is None else max(1, min(programs, rows)),)
+    grid = (rows,)
     _softcapped_ce_rows_kernel[grid](
         u.view(torch.int16) if is_bf16 else u,
         u.stride(0),
@@ -218,13 +204,11 @@ def softcapped_ce_rows_(
         float(shift),
         1.0 / float(temperature),
         float(cap) / float(temperature),
-        rows,
         K=k,
         KP=max(2, triton.next_power_of_2(k)),
         IS_BF16=is_bf16,
         WRITE_GRAD=write_grad,
         BLOCK=block,
-        PERSISTENT=programs is not None,
         num_warps=num_warps,
     )
     return loss

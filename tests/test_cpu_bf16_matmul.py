@@ -1,4 +1,4 @@
-"""The fp32 route for bf16 CPU matmuls (track_1_short/perf/cpu_bf16_matmul.py): its numerics, what it leaves
+"""The fp32 route for bf16 CPU matmuls (track_1_short/cpu_bf16_matmul.py): its numerics, what it leaves
 alone, that nothing of a training step escapes it, and how ``cpu_bf16_matmul`` resolves.
 
 What reaches torch's kernels is observed by a recording dispatch mode entered first, so that it sits beneath
@@ -15,10 +15,10 @@ from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.model.conftest import BOS, load_config, packed_batch
+from track_1_short import cpu_bf16_matmul
+from track_1_short.cpu_bf16_matmul import active, fp32_matmuls, resolve
 from track_1_short.model.gpt import GPT
 from track_1_short.optim.anvil import AnvilAndAdam, OptimConfig
-from track_1_short.perf import cpu_bf16_matmul
-from track_1_short.perf.cpu_bf16_matmul import active, fp32_matmuls, resolve
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16

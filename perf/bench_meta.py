@@ -32,7 +32,7 @@ import torch
 REQUIRED_KEYS = ("command", "date", "device", "torch", "triton", "rows")
 """Keys perf/results.py needs in every bench JSON; a fact of the file format, not a setting."""
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 """The checkout root: recorded commands are relative to it and are run from it."""
 
 
@@ -104,7 +104,7 @@ def bench_metadata(argv: Sequence[str], device: str | torch.device | None = None
 
 def check_bench_payload(payload: object, source: str) -> None:
     """Raise ValueError naming ``source`` unless ``payload`` is a bench result perf/results.py can render."""
-    fix = "build it as {**bench_metadata(sys.argv, device), 'rows': [...]} (track_1_short/perf/bench_meta.py)"
+    fix = "build it as {**bench_metadata(sys.argv, device), 'rows': [...]} (perf/bench_meta.py)"
     if not isinstance(payload, dict):
         raise ValueError(
             f"{source}: a bench result must be a JSON object, got {type(payload).__name__}; {fix}."

@@ -1,4 +1,4 @@
-"""The provenance every bench JSON carries (track_1_short/perf/bench_meta.py) and its refusal of bad ones."""
+"""The provenance every bench JSON carries (perf/bench_meta.py) and its refusal of bad ones."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from track_1_short.perf.bench_meta import (
+from perf.bench_meta import (
     REPO_ROOT,
     REQUIRED_KEYS,
     bench_metadata,

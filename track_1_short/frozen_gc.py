@@ -13,7 +13,7 @@ pause on the clock. What a step frees is still freed by reference counting; only
 the loop wait until it ends, so the run's peak memory with the switch on and off is part of its measurement
 (perf/RESULTS.md).
 
-Invariants (tests/perf/test_frozen_gc.py, tests/test_train.py):
+Invariants (tests/test_frozen_gc.py, tests/test_train.py):
 1. Between :func:`freeze_gc` and :func:`restore_gc` the collector is disabled.
 2. :func:`restore_gc` puts back the collector's enabled flag and, when the freeze was ours (no object was
    frozen before), unfreezes what it froze; the trainer calls it in a ``finally``, so an exception in the loop

@@ -23,7 +23,7 @@ The project's custom ops (namespace ``track_1_short``: the chunked softcapped lo
 one op whose Python body the mode would not see, so the mode runs that body with itself pushed again: its
 matmuls are converted too.
 
-Invariants (tests/perf/test_cpu_bf16_matmul.py; the trainer's switch in tests/test_train.py):
+Invariants (tests/test_cpu_bf16_matmul.py; the trainer's switch in tests/test_train.py):
 1. Each converted op's result is bitwise the op computed in fp32 on the upcast inputs and rounded once to
    bf16, and lies within ulp_bf16/2 + the fp32 accumulation bound of the exact (fp64) result.
 2. fp32 and non-CPU tensors and every non-matmul op pass through: bitwise the results without the mode.
@@ -54,7 +54,7 @@ SETTINGS = ("auto", "native", "fp32")
 """The values of ``cpu_bf16_matmul``."""
 
 # Overloads whose bf16 CPU calls are converted. The out forms are those the model hits (its chunked loss);
-# bmm.out and baddbmm.out are never called (tests/perf/test_cpu_bf16_matmul.py checks it), so they are not.
+# bmm.out and baddbmm.out are never called (tests/test_cpu_bf16_matmul.py checks it), so they are not.
 _FUNCTIONAL = frozenset((aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default))
 _OUT = {aten.mm.out: aten.mm.default, aten.addmm.out: aten.addmm.default}
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)

@@ -1,4 +1,4 @@
-"""track_1_short/perf/frozen_gc.py: the collector's state while frozen and after (invariants 1 and 2).
+"""track_1_short/frozen_gc.py: the collector's state while frozen and after (invariants 1 and 2).
 
 The trainer-level checks (the loop runs frozen, an error restores, bitwise-equal results) are in
 tests/test_train.py."""
@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 
-from track_1_short.perf.frozen_gc import freeze_gc, restore_gc
+from track_1_short.frozen_gc import freeze_gc, restore_gc
 
 
 @pytest.fixture(autouse=True)

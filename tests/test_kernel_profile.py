@@ -1,8 +1,8 @@
-"""track_1_short/perf/kernel_profile.py: kernels classed by name, device time from made-up chrome traces."""
+"""perf/kernel_profile.py: kernels classed by name, device time from made-up chrome traces."""
 
 import pytest
 
-from track_1_short.perf import kernel_profile
+from perf import kernel_profile
 
 
 @pytest.mark.parametrize(
