@@ -1,14 +1,18 @@
 """Regenerate perf/RESULTS.md from the bench JSON files in perf/results/; RESULTS.md is never edited by hand.
 
-    python perf/results.py            # read perf/results/*.json, write perf/RESULTS.md
-    python perf/results.py --check    # exit 1 if perf/RESULTS.md differs from what the JSON files give
+    python perf/results.py             # read perf/results/*.json, write perf/RESULTS.md
+    python perf/results.py --check     # exit 1 if perf/RESULTS.md differs from what the JSON files give
+    python perf/results.py --archive --out /tmp/ALL.md   # also every superseded run of perf/results/archive/
 
-One section per JSON file (sorted by name), each with the date, device, torch and triton versions and the
-exact command that produced it (run from the repository root), then one table of the file's rows and one
-more under its title for each entry of an optional ``tables`` (perf/scaling.py: its runs, peak memory per
-rank). A row key ``<name>_floor`` is the floor of ``<name>`` (what the hardware allows) and is printed in the
-column beside it.
-The file format is defined by track_1_short/perf/bench_meta.py; a file without its keys is refused, naming the
+perf/results/*.json are the current figures; superseded runs live in perf/results/archive/ (its INDEX.md
+says what each measured and why it was superseded) and are rendered only with ``--archive``. One section per
+benchmark (the script in the file's command, in SECTIONS' order), one subsection per file (sorted by name),
+each with the date, device, torch and triton versions and the exact command that produced it (run from the
+repository root), then one table of the file's rows and one more under its title for each entry of an
+optional ``tables`` (perf/scaling.py: its runs, peak memory per rank). A row key ``<name>_floor`` is the
+floor of ``<name>`` (what the hardware allows) and is printed in the column beside it. The lines of
+perf/results/superseded.md (one per deleted fast path, with its last figure) close the page.
+The file format is defined by perf/bench_meta.py; a file without its keys is refused, naming the
 file, before anything is written. The output depends only on the JSON files, so it is reproducible.
 """
 
@@ -19,13 +23,44 @@ import json
 import sys
 from pathlib import Path
 
-from track_1_short.perf.bench_meta import check_bench_payload
+# perf/ is not a package: its helpers are imported from its directory (also when a test loads this
+# file by path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_meta import check_bench_payload  # noqa: E402
 
 PERF_DIR = Path(__file__).resolve().parent
 REGENERATE = "python perf/results.py"
 FLOOR_SUFFIX = "_floor"
 # Top-level keys rendered in a section's header lines rather than as "other" facts.
 HEADER_KEYS = ("title", "command", "date", "device", "torch", "triton", "cuda", "python", "git_commit")
+# benchmark (the script a command runs) -> its section, in page order; docstrings and configs cite them.
+SECTIONS = {
+    "track_1_short.train": "Record preset",
+    "bench_train_step": "Train step",
+    "bench_optimizer": "Optimizer step",
+    "bench_cascade_products": "Cascade products",
+    "bench_loss": "Training loss",
+    "bench_replicated_adam": "Replicated Adam",
+    "scaling": "Scaling",
+}
+SUPERSEDED = "superseded.md"
+
+
+def benchmark(payload: dict) -> str:
+    """The script a result's command ran: ``perf/bench_loss.py`` -> bench_loss, ``-m track_1_short.train``
+    -> track_1_short.train; the command's first word otherwise."""
+    words = payload["command"].split()
+    for i, word in enumerate(words):
+        if word == "-m" and i + 1 < len(words):
+            return words[i + 1]
+        if word.endswith(".py"):
+            return Path(word).stem
+    return words[0] if words else ""
+
+
+def section_of(payload: dict) -> str:
+    name = benchmark(payload)
+    return SECTIONS.get(name, name)
 
 
 def _display_path(path: Path) -> str:
@@ -106,7 +141,7 @@ def render_section(file: str, payload: dict) -> list[str]:
         versions += f", CUDA {payload['cuda']}"
     if payload.get("python"):
         versions += f", Python {payload['python']}"
-    lines = [f"## {payload.get('title') or Path(file).stem}", ""]
+    lines = [f"### {payload.get('title') or Path(file).stem}", ""]
     lines.append(f"- File: `{file}`")
     lines.append(f"- Date: {payload['date']}")
     lines.append(f"- Device: {payload['device']}")
@@ -131,12 +166,32 @@ def render_section(file: str, payload: dict) -> list[str]:
     return lines
 
 
-def render(results: list[tuple[str, dict]]) -> str:
+def render_sections(results: list[tuple[str, dict]]) -> list[str]:
+    """One ``##`` section per benchmark (SECTIONS' order, then others by name), its files' subsections."""
+    groups: dict[str, list[tuple[str, dict]]] = {}
+    for file, payload in results:
+        groups.setdefault(section_of(payload), []).append((file, payload))
+    order = [name for name in SECTIONS.values() if name in groups]
+    order += sorted(name for name in groups if name not in order)
+    lines = []
+    for name in order:
+        lines += [f"## {name}", ""]
+        for file, payload in groups[name]:
+            lines.extend(render_section(file, payload))
+    return lines
+
+
+def render(
+    results: list[tuple[str, dict]],
+    superseded: str = "",
+    archive: list[tuple[str, dict]] | None = None,
+) -> str:
     lines = [
         "# Benchmark results",
         "",
         f"Generated by `{REGENERATE}` from the JSON files in perf/results/; do not edit by hand.",
-        "Each section names the machine and the command that produced it (run from the repository root).",
+        "Each section holds a benchmark's current figures and names the machine and the command that",
+        "produced them (run from the repository root). Superseded runs: perf/results/archive/ (INDEX.md).",
         'A "(floor)" column is what the hardware allows for the figure to its left.',
         "",
     ]
@@ -145,8 +200,13 @@ def render(results: list[tuple[str, dict]]) -> str:
             "No results yet: run `bash perf/run_gpu.sh` on a GPU machine, then commit perf/results/.",
             "",
         ]
-    for file, payload in results:
-        lines.extend(render_section(file, payload))
+    lines += render_sections(results)
+    if superseded.strip():
+        lines += ["## Superseded", "", superseded.strip(), ""]
+    if archive:
+        lines += ["# Archive", ""]
+        lines += [line.replace("## ", "## Archive: ", 1) if line.startswith("## ") else line
+                  for line in render_sections(archive)]  # fmt: skip
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -159,8 +219,17 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=PERF_DIR / "RESULTS.md", help="the markdown file to write"
     )
     parser.add_argument("--check", action="store_true", help="compare with --out instead of writing it")
+    parser.add_argument(
+        "--archive", action="store_true", help="also render the superseded runs of <results-dir>/archive/"
+    )
     args = parser.parse_args(argv)
-    text = render(load_results(args.results_dir))
+    superseded = args.results_dir / SUPERSEDED
+    archive_dir = args.results_dir / "archive"
+    text = render(
+        load_results(args.results_dir),
+        superseded.read_text() if superseded.exists() else "",
+        load_results(archive_dir) if args.archive and archive_dir.is_dir() else None,
+    )
     if args.check:
         current = args.out.read_text() if args.out.exists() else ""
         if current != text:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from track_1_short.perf.bench_meta import REPO_ROOT, bench_metadata, write_bench_json
+from perf.bench_meta import REPO_ROOT, bench_metadata, write_bench_json
 
 
 def load_script(name: str):
@@ -83,25 +83,25 @@ def test_rows_with_different_keys_share_one_table_with_dashes(tmp_path):
 
 
 def test_optimizer_bench_arms_share_one_table_with_their_floors_and_compile_time(tmp_path):
-    # perf/bench_optimizer.py --bank-update eager compiled: one row per bank and arm; only the compiled arm
-    # has compile_s, so the eager rows show a dash there; the floors stay beside their figures.
+    # perf/bench_optimizer.py --bank-update eager triton: one row per bank and arm; only the triton arm has
+    # compile_s, so the eager rows show a dash there; the floors stay beside their figures.
     rows = [
         {"bank": "qk_bank", "bank_update": "eager", "step_ms": 1.76, "step_ms_floor": 0.15, "vs_eager": 1.0},
         {
             "bank": "qk_bank",
-            "bank_update": "compiled",
+            "bank_update": "triton",
             "compile_s": 41.5,
             "step_ms": 0.88,
             "step_ms_floor": 0.15,
             "vs_eager": 2.0,
         },
     ]
-    write(tmp_path / "results", "optimizer", bench_payload(rows=rows, bank_update=["eager", "compiled"]))
+    write(tmp_path / "results", "optimizer", bench_payload(rows=rows, bank_update=["eager", "triton"]))
     text = render_dir(tmp_path)
     assert "| bank | bank_update | step_ms | step_ms (floor) | vs_eager | compile_s |" in text
     assert "| qk_bank | eager | 1.76 | 0.15 | 1.00 | - |" in text
-    assert "| qk_bank | compiled | 0.88 | 0.15 | 2.00 | 41.50 |" in text
-    assert "- bank_update: eager, compiled" in text
+    assert "| qk_bank | triton | 0.88 | 0.15 | 2.00 | 41.50 |" in text
+    assert "- bank_update: eager, triton" in text
 
 
 def test_sections_follow_file_names_and_use_the_title(tmp_path):
@@ -179,6 +179,53 @@ def test_check_fails_on_a_stale_file_and_passes_once_regenerated(tmp_path, capsy
 
 def test_committed_results_md_is_generated_from_the_committed_json():
     assert results.main(["--check"]) == 0, "perf/RESULTS.md is stale: run `python perf/results.py`"
+
+
+def test_the_committed_page_holds_one_section_per_benchmark_and_fits_a_page():
+    text = (REPO_ROOT / "perf" / "RESULTS.md").read_text()
+    sections = [line[3:] for line in text.splitlines() if line.startswith("## ")]
+    assert len(sections) == len(set(sections))
+    assert [s for s in sections if s in results.SECTIONS.values()] == [
+        s for s in results.SECTIONS.values() if s in sections
+    ]
+    assert "Superseded" in sections and len(text.splitlines()) < 800
+
+
+def test_results_in_the_archive_render_only_when_asked(tmp_path):
+    write(tmp_path / "results", "current", bench_payload(rows=[{"a": 1}], title="Now"))
+    write(tmp_path / "results" / "archive", "old", bench_payload(rows=[{"a": 2}], title="Then"))
+    text = render_dir(tmp_path)
+    assert "### Now" in text and "Then" not in text
+    out = tmp_path / "ALL.md"
+    assert results.main(["--results-dir", str(tmp_path / "results"), "--out", str(out), "--archive"]) == 0
+    everything = out.read_text()
+    assert everything.index("### Now") < everything.index("# Archive") < everything.index("### Then")
+
+
+def test_files_of_one_benchmark_share_its_section_in_page_order(tmp_path):
+    def payload(script: str, title: str) -> dict:
+        return {**bench_payload(rows=[{"a": 1}], title=title), "command": f"python3 perf/{script}.py --x"}
+
+    write(tmp_path / "results", "b", payload("bench_optimizer", "opt two"))
+    write(tmp_path / "results", "a", payload("bench_optimizer", "opt one"))
+    write(tmp_path / "results", "c", payload("bench_replicated_adam", "adam"))
+    write(
+        tmp_path / "results",
+        "d",
+        {**bench_payload(rows=[], title="run"), "command": "python3 -m track_1_short.train"},
+    )
+    text = render_dir(tmp_path)
+    order = [text.index(s) for s in ("## Record preset", "### run", "## Optimizer step", "### opt one",
+                                     "### opt two", "## Replicated Adam", "### adam")]  # fmt: skip
+    assert order == sorted(order) and text.count("## Optimizer step") == 1
+
+
+def test_the_superseded_lines_close_the_page(tmp_path):
+    write(tmp_path / "results", "fake", bench_payload(rows=[{"a": 1}]))
+    (tmp_path / "results" / "superseded.md").write_text("- `x=y`: 2.0 against 1.0 ms (H100).\n")
+    text = render_dir(tmp_path)
+    assert text.rstrip().endswith("- `x=y`: 2.0 against 1.0 ms (H100).")
+    assert text.index("### fake") < text.index("## Superseded")
 
 
 def run_gpu_sh(*stages: str, out: Path) -> subprocess.CompletedProcess:
@@ -279,14 +326,3 @@ def test_run_gpu_levers_are_arms_the_train_step_bench_accepts():
     assert [name for name, _ in args.arms] == [line.split("=", 1)[0] for line in lines]
     for _, overrides in args.arms:
         bench.compose([*args.overrides, *overrides], "cpu", "/tmp/runs")  # Hydra refuses an unknown key
-
-
-def test_run_gpu_floor_paths_are_paths_the_replicated_adam_bench_knows():
-    # The floors stage names its paths in the script: a typo would cost a GPU run to find.
-    from tests.perf_scripts import load_perf_script
-
-    script = (REPO_ROOT / "perf" / "run_gpu.sh").read_text()
-    paths = script.split("\nfloor_paths=", 1)[1].split("\n", 1)[0].split(",")
-    bench = load_perf_script("bench_replicated_adam")
-    assert {"device", "device_floor", "device_fence_graph"} <= set(paths)
-    assert set(paths) <= set(bench.PATH_CLASSES), sorted(set(paths) - set(bench.PATH_CLASSES))
