@@ -2,8 +2,8 @@
 
     python perf/bench_train_step.py --out perf/results/train_step.json  # CUDA, record_1gpu, stages 0 2
     python perf/bench_train_step.py --device cpu --tiny --out /tmp/ts.json  # CPU smoke, smoke_record
-    python perf/bench_train_step.py optim.replicated_impl=device --stages 2  # Hydra overrides
-    python perf/bench_train_step.py --stages 2 --arm mlp="model.mlp_impl=fused"  # a lever against the default
+    python perf/bench_train_step.py optim.replicated_impl=reference --stages 2  # Hydra overrides
+    python perf/bench_train_step.py --stages 2 --arm ref="optim.replicated_impl=reference"  # a lever
 
 What is timed is ``Trainer.train_step`` (track_1_short/trainer.py), the very function the training loop
 calls: the schedule, the loader's next batches, forward and backward per microbatch, the guards and
@@ -388,7 +388,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for text in args.arm:
         name, _, overrides = text.partition("=")
         if not re.fullmatch(r"[A-Za-z0-9_-]+", name) or not overrides.split():
-            p.error(f'--arm {text!r}: write NAME="OVERRIDES", e.g. --arm mlp="model.mlp_impl=fused".')
+            p.error(
+                f'--arm {text!r}: write NAME="OVERRIDES", e.g. --arm ref="optim.replicated_impl=reference".'
+            )
         if name == "baseline" or name in dict(args.arms):
             p.error(f"--arm {name}: arm names must differ from each other and from 'baseline'.")
         args.arms.append((name, overrides.split()))

@@ -157,11 +157,11 @@ def test_a_row_restated_at_a_higher_rate_has_lower_mfu_and_floors_and_nothing_el
     ("arm", "message"),
     [
         (
-            "model.mlp_impl=fused",
+            "optim.replicated_impl=reference",
             "write NAME=",
         ),  # no name: a name has no dots, so this is not "name=overrides"
         ("mlp=", "write NAME="),
-        ("a b=model.mlp_impl=fused", "write NAME="),
+        ("a b=optim.replicated_impl=reference", "write NAME="),
         ("baseline=seed=3", "must differ"),
     ],
 )
@@ -175,9 +175,9 @@ def test_parse_refuses_a_malformed_or_clashing_arm(arm, message, capsys):
 
 def test_an_arm_adds_its_overrides_after_the_baselines():
     args = bench.parse_args(
-        ["--device", "cpu", "--tiny", "seed=3", "--arm", "mlp=model.mlp_impl=fused seed=4"]
+        ["--device", "cpu", "--tiny", "seed=3", "--arm", "ref=optim.replicated_impl=reference seed=4"]
     )
-    assert args.arms == [("mlp", ["model.mlp_impl=fused", "seed=4"])]
+    assert args.arms == [("ref", ["optim.replicated_impl=reference", "seed=4"])]
 
 
 def test_a_bad_arm_fails_before_anything_is_measured(tmp_path, capsys):

@@ -202,26 +202,26 @@ def test_missing_data_directory_prints_the_download_command_without_a_traceback(
     assert full.returncode != 0 and "Traceback" in full.stderr
 
 
-def test_device_replicated_mode_trains_bit_for_bit_like_the_fused_path(one_process, tmp_path):
-    # optim.replicated_impl=device: autograd accumulates the gradients over both microbatches as for fused,
-    # the device mode gathers them from their addresses and builds the table on the device; same bits.
+def test_the_per_parameter_replicated_adam_trains_bit_for_bit_like_the_fused_path(one_process, tmp_path):
+    # optim.replicated_impl=reference: one all_reduce and one Adam step per parameter, over gradients
+    # accumulated across both microbatches; the fused path (one_process) must end with the same bits.
     from tools.compare_checkpoints import compare
 
-    device = trainer.run(
+    reference = trainer.run(
         short_cfg(
             str(tmp_path),
             MICRO,
             "checkpoint.every=2",
-            "optim.replicated_impl=device",
+            "optim.replicated_impl=reference",
             "checkpoint.final=true",
         )
     )
-    assert device.train_losses == one_process.train_losses
-    assert device.val_loss == one_process.val_loss
-    assert_bitwise_equal(params_of(device), params_of(one_process))
+    assert reference.train_losses == one_process.train_losses
+    assert reference.val_loss == one_process.val_loss
+    assert_bitwise_equal(params_of(reference), params_of(one_process))
     # checkpoint.final: a checkpoint of the end state (step 8 of 8), which is the fused run's end state bit
     # for bit: parameters, buffers, the optimizer's moments and master weights, the loader's position.
-    final = checkpoint.load(device.run_dir / "checkpoints")
+    final = checkpoint.load(reference.run_dir / "checkpoints")
     assert final["step"] == sum(STEPS)
     entries, diffs = compare(final, one_process.trainer._payload())
     assert diffs == [] and entries > 2 * len(final["model"]), (entries, diffs[:5])

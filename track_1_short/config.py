@@ -67,8 +67,8 @@ class TrainConfig:
     kernel), "fp32" (through fp32 GEMMs: bf16 inputs, fp32 accumulation, one rounding to bf16, the native
     kernel's contract) or "auto": fp32 exactly when the CPU has no native bf16 GEMM (no AVX512-BF16 or AMX;
     there torch's kernel is a scalar fallback, about 20x slower than fp32) and nothing in the run is compiled
-    (torch.compile refuses a frame under the fp32 route's dispatch mode; on the CPU only
-    optim.bank_update=compiled compiles, since ``compile`` applies to CUDA runs only). The two routes round
+    (torch.compile refuses a frame under the fp32 route's dispatch mode; ``compile`` applies to CUDA runs
+    only, so a CPU run compiles nothing). The two routes round
     differently near ties, so runs on them are close, not bitwise equal. A CUDA run always uses its native
     kernels."""
     seed: int = 0

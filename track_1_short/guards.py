@@ -216,7 +216,7 @@ class Guards:
         if self.cfg.nan_policy == "stop":
             raise NonFiniteGradError(step, [b[0] for b in bad], [b[1] for b in bad], self.world)
         if self._drop_grads is not None:
-            self._drop_grads()  # the optimizer keeps gradient views it owns (replicated_impl=device)
+            self._drop_grads()  # the optimizer's own clear: whatever it holds besides .grad goes too
         else:
             for p in self.params.values():
                 p.grad = None

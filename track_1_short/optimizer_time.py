@@ -8,8 +8,7 @@ where an op has finished when it returns, they are ``time.perf_counter`` reading
 
 What it measures on CUDA is the stream's time from the end of the step's last backward to the end of the
 update, waits for the reduce-scatter and all-gather included: how long the optimizer holds the step, not its
-kernels alone (perf/bench_optimizer.py times those). A reduce that starts inside the backward
-(``optim.replicated_impl=device``) counts as backward time. The figure is this rank's.
+kernels alone (perf/bench_optimizer.py times those). The figure is this rank's.
 """
 
 from __future__ import annotations

@@ -365,6 +365,7 @@ _COMPILE_FOR_H200 = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from track_1_short.optim.bank_layout import N_SCALARS
     from track_1_short.perf.kernels import anvil_bank as k
 
     kernels = [

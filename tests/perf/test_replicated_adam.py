@@ -1,4 +1,4 @@
-"""ReplicatedAdam (impl="fused"): its invariants, its agreement with the per-parameter path, its errors."""
+"""ReplicatedAdam (optim.replicated_impl=fused): its invariants, agreement with the reference, errors."""
 
 from types import SimpleNamespace
 
