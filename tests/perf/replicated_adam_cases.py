@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from track_1_short import distributed
+from track_1_short.model.config import ParamTableConfig
 from track_1_short.optim.adam import adam_update_, new_scalar_buffers
 
 
@@ -25,21 +26,22 @@ class AdamCfg:
     wd_mul: float = 1.0
 
 
-# label, shape, dtype, betas, lr_mul, wd_mul (upstream's table, shapes scaled down).
+# label, shape, dtype: the record's replicated tensors, shapes scaled down; their Adam betas and multipliers
+# are the model's param table settings (model/config.py ParamTableConfig).
 INVENTORY = [
-    ("scalars", (24,), torch.float32, (0.9, 0.99), 5.0, 0.0),
-    ("smear_gate", (1, 12), torch.bfloat16, (0.9, 0.99), 0.01, 0.0),
-    ("ve_gate_bank", (3, 6, 12), torch.bfloat16, (0.9, 0.99), 1.0, 1.0),
-    ("post_lambdas", (11, 2), torch.float32, (0.9, 0.95), 1.0, 0.0),
-    ("resid_lambdas", (11, 2), torch.float32, (0.9, 0.95), 5.0, 0.0),
-    ("mudd_w1", (2, 8, 24), torch.bfloat16, (0.9, 0.99), 0.25, 1.0),
-    ("mudd_w2", (2, 14, 8), torch.bfloat16, (0.9, 0.99), 0.25, 1.0),
-    ("mudd_w2g", (1,), torch.bfloat16, (0.9, 0.99), 0.25, 1.0),
-    ("mudd_b2", (2, 14), torch.bfloat16, (0.9, 0.99), 0.25, 0.0),
-    ("mudd_gate_w1", (2, 8, 24), torch.bfloat16, (0.9, 0.99), 0.1, 1.0),
-    ("mudd_gate_w2", (2, 23, 8), torch.bfloat16, (0.9, 0.99), 0.1, 1.0),
-    ("mudd_gate_b2", (1,), torch.float32, (0.9, 0.99), 0.1, 0.0),
-    ("_mudd_gate_scale", (), torch.float32, (0.9, 0.99), 0.1, 0.0),
+    ("scalars", (24,), torch.float32),
+    ("smear_gate", (1, 12), torch.bfloat16),
+    ("ve_gate_bank", (3, 6, 12), torch.bfloat16),
+    ("post_lambdas", (11, 2), torch.float32),
+    ("resid_lambdas", (11, 2), torch.float32),
+    ("mudd_w1", (2, 8, 24), torch.bfloat16),
+    ("mudd_w2", (2, 14, 8), torch.bfloat16),
+    ("mudd_w2g", (1,), torch.bfloat16),
+    ("mudd_b2", (2, 14), torch.bfloat16),
+    ("mudd_gate_w1", (2, 8, 24), torch.bfloat16),
+    ("mudd_gate_w2", (2, 23, 8), torch.bfloat16),
+    ("mudd_gate_b2", (1,), torch.float32),
+    ("_mudd_gate_scale", (), torch.float32),
 ]
 
 
@@ -50,7 +52,10 @@ def make_inventory(seed: int = 0, wd_boost: float = 1.0, device: str = "cpu"):
     """
     gen = torch.Generator().manual_seed(seed)
     params, cfgs, states = [], [], []
-    for label, shape, dtype, betas, lr_mul, wd_mul in INVENTORY:
+    table = ParamTableConfig()
+    for label, shape, dtype in INVENTORY:
+        hyper = getattr(table, label.lstrip("_"))  # _mudd_gate_scale's entry is mudd_gate_scale
+        betas, lr_mul, wd_mul = hyper.betas, hyper.lr_mul, hyper.wd_mul
         value = torch.randn(shape, generator=gen).to(dtype)
         p = torch.nn.Parameter(value.to(device))
         p.label = label
