@@ -124,30 +124,46 @@ class NgramTable:
         return [r * self.per_rank for r in range(self.world + 1)]
 
     def reset_cache(self) -> None:
-        """Forget the cached rows and pending gradients (the table itself is untouched)."""
+        """Forget the cached rows and the cycle's gradient (the table and a carried gradient stay)."""
         self.want: Tensor | None = None  # sorted unique row ids the cache holds, int64
         self.cache: Tensor | None = None
+        self.per_slot: Tensor | None = None  # the cycle's gradient so far, summed per cached row (fp32)
         self.sinks: list[tuple[Tensor, Tensor]] = []
         self._routes: tuple[int, int, list[int], list[int], Tensor] | None = None
+        self._stash: tuple | None = None
+        if not hasattr(self, "carry"):
+            self.carry: tuple[Tensor, Tensor] | None = None
 
     @torch.no_grad()
     def zero_(self) -> None:
         """The initial table, in place (the post-warmup reset)."""
         self.shard.zero_()
+        self.carry = None
         self.reset_cache()
+
+    def carry_gradient(self, rows: Tensor, grads: Tensor) -> None:
+        """A cycle's gradient so far (row ids, fp32 sums, as :meth:`pending` gave them at a checkpoint): the
+        next pull fetches these rows too and starts their sums from these values."""
+        self.carry = (rows.to(self.device, torch.int64), grads.to(self.device, torch.float32))
 
     # -- the pull --
 
     @torch.no_grad()
     def pull(self, row_ids: list[Tensor]) -> None:
-        """Collective: fill the cache with every row of ``row_ids`` (a cycle's batches, or validation's) from
-        its owner. Drops the previous cache; pending gradients must have been returned first."""
-        if self.sinks:
+        """Collective: fill the cache with every row of ``row_ids`` (a cycle's batches, or between
+        :meth:`begin_eval` and :meth:`end_eval` a validation batch's) from its owner."""
+        if self._stash is None and (self.sinks or self.per_slot is not None):
             raise RuntimeError(
-                "NgramTable.pull: gradients of the last cycle were never returned (row_grads())."
+                "NgramTable.pull: the live cycle's gradient was never returned (row_grads()) or dropped "
+                "(reset_cache())."
             )
-        ids = torch.cat([r.reshape(-1).to(self.device, torch.int64) for r in row_ids]) if row_ids else None
-        want = torch.unique(ids) if ids is not None else torch.zeros(0, dtype=torch.int64, device=self.device)
+        carry = None
+        if self._stash is None:
+            carry, self.carry = self.carry, None
+        ids = [r.reshape(-1).to(self.device, torch.int64) for r in row_ids]
+        if carry is not None:
+            ids.append(carry[0])
+        want = torch.unique(torch.cat(ids)) if ids else torch.zeros(0, dtype=torch.int64, device=self.device)
         if want.numel() and (int(want[0]) < 0 or int(want[-1]) >= self.cfg.rows):
             raise ValueError(
                 f"NgramTable.pull: row ids in [{int(want[0])}, {int(want[-1])}] outside the table's "
@@ -165,12 +181,16 @@ class NgramTable:
         cache[lo:hi] = self.shard[want[lo:hi] - self.first_row]
         self.want, self.cache = want, cache
         self._routes = (lo, hi, send_counts, recv_counts, asked)
+        if self._stash is None:  # a training cycle: its gradient starts here, or from the carried sums
+            self.per_slot = torch.zeros(want.numel(), self.cfg.dim, dtype=torch.float32, device=self.device)
+            if carry is not None:
+                self.per_slot[torch.searchsorted(want, carry[0])] = carry[1]
 
     # -- the forward --
 
     def lookup(self, row_ids: Tensor, check: bool = True) -> Tensor:
-        """The rows [2T, dim] of ``row_ids`` from the cache; under autograd, plus a zeros sink that catches
-        their gradient (kept until :meth:`row_grads`)."""
+        """The rows [2T, dim] of ``row_ids`` from the cache; in a training cycle under autograd, plus a zeros
+        sink that catches their gradient (folded into the cycle's sums by :meth:`fold_sinks`)."""
         if self.want is None:
             raise RuntimeError(
                 "NgramTable.lookup: no rows were pulled; call pull() with this cycle's row ids first."
@@ -185,28 +205,48 @@ class NgramTable:
                     "batch of the cycle (and each validation batch) before its forward."
                 )
         rows = self.cache[slots]
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.per_slot is not None:
             sink = torch.zeros_like(rows, requires_grad=True)
             self.sinks.append((slots, sink))
             rows = rows + sink
         return rows
 
-    # -- the gradient's return --
+    # -- the cycle's gradient --
+
+    @torch.no_grad()
+    def fold_sinks(self) -> None:
+        """Add the gradients of the forwards since the last call into the per-row sums, in call order."""
+        for slots, sink in self.sinks:
+            if sink.grad is not None:
+                self.per_slot.index_add_(0, slots, sink.grad.float())
+        self.sinks = []
+
+    def drop_sinks(self) -> None:
+        """Forget the gradients of the forwards since the last fold (a step whose update is skipped)."""
+        self.sinks = []
+
+    @torch.no_grad()
+    def pending(self) -> tuple[Tensor, Tensor]:
+        """(row ids, fp32 sums) of the live cycle's gradient so far (or of a carried one); empty if none."""
+        if self.per_slot is not None:
+            self.fold_sinks()
+            return self.want.clone(), self.per_slot.clone()
+        if self.carry is not None:
+            return self.carry[0].clone(), self.carry[1].clone()
+        empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+        return empty, torch.zeros(0, self.cfg.dim, dtype=torch.float32, device=self.device)
 
     @torch.no_grad()
     def row_grads(self) -> tuple[Tensor, Tensor]:
-        """Collective: the cycle's gradient summed per row, on the rows' owners.
+        """Collective: the cycle's gradient summed per row, on the rows' owners; ends the cycle.
 
-        Returns (local row indices int64 [N], unique and sorted; gradients fp32 [N, dim]): each row's sum over
-        ranks in rank order of each rank's sum over its forwards (in call order). Clears the sinks."""
-        if self.want is None:
-            raise RuntimeError("NgramTable.row_grads: no cycle was pulled.")
+        Returns (local row indices int64 [N], unique and sorted; gradients fp32 [N, dim]): each row's sum
+        over ranks in rank order of each rank's sum over its forwards (in call order)."""
+        if self.per_slot is None:
+            raise RuntimeError("NgramTable.row_grads: no training cycle was pulled.")
+        self.fold_sinks()
         lo, hi, send_counts, recv_counts, asked = self._routes
-        per_slot = torch.zeros(self.want.numel(), self.cfg.dim, dtype=torch.float32, device=self.device)
-        for slots, sink in self.sinks:
-            if sink.grad is not None:
-                per_slot.index_add_(0, slots, sink.grad.float())
-        self.sinks = []
+        per_slot = self.per_slot
         received = distributed.exchange_rows(
             torch.cat([per_slot[:lo], per_slot[hi:]]), send_counts, recv_counts
         )
@@ -223,4 +263,19 @@ class NgramTable:
         grads = torch.zeros(rows.numel(), self.cfg.dim, dtype=torch.float32, device=self.device)
         for ids, g in parts:  # rank order; a row appears at most once per rank, so each add is one term
             grads.index_add_(0, torch.searchsorted(rows, ids), g)
+        self.reset_cache()
         return rows, grads
+
+    # -- validation pulls, beside a live training cycle --
+
+    def begin_eval(self) -> None:
+        """Set the live cycle's cache aside while validation pulls its own batches (no re-exchange after)."""
+        if self._stash is None:
+            self._stash = (self.want, self.cache, self.per_slot, self.sinks, self._routes)
+            self.want = self.cache = self.per_slot = None
+            self.sinks = []
+
+    def end_eval(self) -> None:
+        if self._stash is not None:
+            self.want, self.cache, self.per_slot, self.sinks, self._routes = self._stash
+            self._stash = None
