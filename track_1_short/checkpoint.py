@@ -196,7 +196,38 @@ def save(ckpt_dir: str | Path, payload: dict[str, Any], keep_last: int = 0) -> P
     if keep_last > 0:
         for old in list_checkpoints(ckpt_dir)[:-keep_last]:
             old.unlink(missing_ok=True)
+            for side in side_files(old):
+                side.unlink(missing_ok=True)
     return path
+
+
+# -- per-rank side files (sharded state: the n-gram table) --
+def side_files(main_file: Path) -> list[Path]:
+    """The per-rank files written beside a checkpoint (``step_NNNNNN.<what>.pt``)."""
+    return sorted(main_file.parent.glob(f"{main_file.name[:-3]}.*.pt"))
+
+
+def save_side_file(path: str | Path, payload: dict[str, Any]) -> Path:
+    """Write one rank's sharded state beside its checkpoint, atomically. Every rank writes its own before
+    rank 0 writes the main file and moves ``latest``, so ``latest`` never names a checkpoint with a missing
+    side file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda f: torch.save({"format": CHECKPOINT_FORMAT, **payload}, f))
+    return path
+
+
+def load_side_file(path: str | Path) -> dict[str, Any]:
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - one clear message, as load()
+        raise CheckpointError(
+            f"{path} cannot be read ({type(e).__name__}): it is truncated or damaged; resume from an older "
+            "checkpoint."
+        ) from e
+    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} is not a side file of checkpoint format {CHECKPOINT_FORMAT}.")
+    return payload
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:

@@ -167,3 +167,38 @@ def all_gather_object(obj: object) -> list:
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()
+
+
+# -- row exchanges (the n-gram table's pull and gradient return) ---------------------------------------
+
+wire_bytes_sent = 0
+"""Bytes this process has sent to other ranks through :func:`exchange_rows` (its own block never counts: it is
+never sent). Tests read it to show which rows travel."""
+
+
+def exchange_counts(send_counts: list[int]) -> list[int]:
+    """All-to-all of one count per rank: entry j of the result is what rank j sends this rank."""
+    if world_size() == 1:
+        return list(send_counts)
+    send = torch.tensor(send_counts, dtype=torch.int64)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    return [int(n) for n in recv.tolist()]
+
+
+def exchange_rows(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+    """All-to-all of variable-length row blocks: ``rows`` holds the blocks for ranks 0, 1, ...
+    (``send_counts`` rows each, this rank's own count 0); returns what the ranks sent here, in rank order
+    (``recv_counts`` rows from each). The same call on every rank, in the same order."""
+    global wire_bytes_sent
+    if world_size() == 1:
+        return rows[:0].clone()
+    me = rank()
+    if send_counts[me] or recv_counts[me]:
+        raise ValueError(
+            f"exchange_rows: rank {me} would send itself {send_counts[me]} rows; keep them local."
+        )
+    out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+    wire_bytes_sent += rows[: sum(send_counts)].numel() * rows.element_size()
+    dist.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts)
+    return out

@@ -198,6 +198,12 @@ class Trainer:
             vocab_size=cfg.data.vocab_size,
             attn_segment_cap=cfg.data.attn_segment_cap,
         )
+        self.ngram = None  # the n-gram table's cycles, pulls and checkpoints (model.ngram.enabled)
+        if cfg.model.ngram.enabled:
+            from track_1_short.ngram_cycle import NgramCycle
+
+            distributed.broadcast_(self.model.ngram_sign_pool, src=0)
+            self.ngram = NgramCycle(self)
         self.step = 0
         self.train_time_ms = 0.0
         self.tokens_seen = 0
@@ -242,7 +248,8 @@ class Trainer:
             # Buffers that training changes (rotary state after window changes, the embedding-split flag).
             "buffers": {k: v.detach().to("cpu", copy=True) for k, v in self.model.named_buffers()},
             "optimizer": self.opt.state_dict(),
-            "loader": self.loader.state_dict(),
+            # with the n-gram table, the position after the last step run, not the cycle's read-ahead
+            "loader": self.ngram.loader_state(self.step) if self.ngram else self.loader.state_dict(),
             "rng": checkpoint.capture_rng(),
             "meta": {
                 "model": OmegaConf.to_container(OmegaConf.structured(self.cfg.model)),
@@ -300,6 +307,8 @@ class Trainer:
                 f"one {self.total_steps}; resume with the schedule it was written with."
             )
         self._restore_(payload)
+        if self.ngram is not None:
+            self.ngram.load(checkpoint.resolve(path))
         self.train_time_ms = float(payload["meta"]["train_time_ms"])
         self.tokens_seen = int(payload["meta"]["tokens_seen"])
         run_log.mark_resumption(self.log, checkpoint.resolve(path), self.step, self.total_steps)
@@ -329,8 +338,11 @@ class Trainer:
         padded = list(plan.mtp_weights) + [0.0] * (self.mtp_width - len(plan.mtp_weights))
         mtp = torch.tensor(padded, dtype=torch.float32).to(self.device, non_blocking=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        for _ in range(accum):
-            b = self.loader.next_batch(micro, plan.max_doc_len)
+        ngram_batches = (
+            self.ngram.batches(step) if self.ngram is not None else None
+        )  # the cycle's, read ahead
+        for k in range(accum):
+            b = ngram_batches[k] if ngram_batches else self.loader.next_batch(micro, plan.max_doc_len)
             cu = fixed_boundaries(b.cu_seqlens, micro)
             loss = self.forward(b.inputs, b.targets, cu, windows, mtp)
             if marks is not None:
@@ -342,11 +354,14 @@ class Trainer:
             if marks is not None:
                 marks("backward")
             loss_sum += loss.detach().float()
-        if self.guards.grads_ok(step):  # NaN/inf gradient: stop, or skip the update on every rank
+        applied = self.guards.grads_ok(step)  # NaN/inf gradient: stop, or skip the update on every rank
+        if applied:
             self.opt_time.start()
             self.opt.step(plan.do_adam)
             self.opt_time.stop()
             self.guards.after_update(step)  # replicas compared every guards.checksum_every steps
+        if self.ngram is not None:
+            self.ngram.after_step(step, plan.lr_multiplier, applied)
         self.tokens_seen += plan.batch_tokens
         return loss_sum / (micro * accum)
 
@@ -365,6 +380,7 @@ class Trainer:
         if not warm:
             return []
         initial = copy.deepcopy(self._payload())
+        initial_ngram = self.ngram.snapshot() if self.ngram is not None else None
         tokens_seen = self.tokens_seen
         # The split steps are included: restoring the model's buffers re-ties it (embed_is_split), and the
         # optimizer's state_dict carries its own tied flag.
@@ -388,6 +404,8 @@ class Trainer:
         self.phases.say(f"  warmup validation forward: {time.perf_counter() - t_val:.1f} s")
         _sync(self.device)
         self._restore_(initial)
+        if self.ngram is not None:
+            self.ngram.restore(initial_ngram)
         self.tokens_seen = tokens_seen
         self.warmed_steps = steps
         self.graphs_after_warmup = self.graphs_made()
@@ -416,12 +434,18 @@ class Trainer:
                 bos_id=d.bos_id,
                 vocab_size=d.vocab_size,
             )
+            if self.ngram is not None:
+                self.ngram.begin_eval()  # each batch pulls its rows; the training cycle's cache stays aside
             for i, b in enumerate(batches):
                 if max_batches is not None and i >= max_batches:
                     break
                 cu = fixed_boundaries(b.cu_seqlens, b.inputs.numel())
+                if self.ngram is not None:
+                    self.ngram.eval_batch(b.inputs, cu)
                 totals[0] += self.val_forward(b.inputs, b.targets, cu, windows, None).double()
                 totals[1] += b.targets.numel()
+            if self.ngram is not None:
+                self.ngram.end_eval()
         distributed.all_reduce_sum(totals)
         return float(totals[0] / totals[1])
 
@@ -488,6 +512,7 @@ class Trainer:
                         step_avg_ms=elapsed / done,
                         progress_line=done % cfg.log_every == 0 or done >= n - 1,
                         optimizer_ms=self.opt_time.take_ms(),  # after the read-back's sync: no wait
+                        **({"ngram_pull_ms": self.ngram.take_pull_ms()} if self.ngram is not None else {}),
                         **self._memory(),
                     )
                     wall = now - t_start
@@ -545,6 +570,9 @@ class Trainer:
         checkpoint.assert_finite(payload["model"], "model")
         checkpoint.assert_finite(payload["optimizer"], "optimizer state")
         path = None
+        if self.ngram is not None:  # every rank's shard file first: latest moves only once all are whole
+            self.ngram.save(self.ckpt_dir, self.step)
+            distributed.barrier()
         if distributed.is_main():
             path = checkpoint.save(self.ckpt_dir, payload, keep_last=self.cfg.checkpoint.keep_last)
             self.log.text(f"checkpoint {path}")

@@ -20,7 +20,8 @@ from track_1_short.model.layers import LOSS_IMPLS, next_multiple_of
 # MUDD block 0 (start of the last layer) emits this many coefficients, in this layout (upstream init_mudd):
 #   0-2 V add-in over (cache[0], cache[late], x)   3-5 residual recombination over the same sources
 #   6-7 value-embedding gates (tiled over head halves)   8-9 dynamic resid / post attention lambdas
-#   10 x0 injection   11 n-gram injection (reserved: out of scope)   12-13 dynamic resid / post MLP lambdas
+#   10 x0 injection   11 n-gram injection (read only with model.ngram.enabled)
+#   12-13 dynamic resid / post MLP lambdas
 # Block 1 (after the loop) uses its first len(sources) coefficients. A fact of the layout, not a knob.
 MUDD_COEFS = 14
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -98,6 +99,84 @@ class ParamTableConfig:
     """For the label ``_mudd_gate_scale`` (a leading underscore is not a valid config key)."""
     mlp_proj_lr_mul: float = 2.0
     """ANVIL lr multiplier of every c_proj matrix of mlp_bank (c_fc gets 1.0, frozen and pad matrices 0.0)."""
+
+
+@dataclass
+class NgramConfig:
+    """The hashed n-gram embedding table (model/ngram.py); defaults are record #92's (upstream ngram_table.py
+    @ f380c1f0). Off by default: ``model=track1`` is the record model without the table unless a preset turns
+    it on."""
+
+    enabled: bool = False
+    """The table, its gate lanes and MUDD coefficient 11. Off: the model has none of them (and the lanes stay
+    in mudd_gate_w2 / mudd_gate_b2 unused, as upstream's shapes)."""
+    rows: int = 84_602_880
+    """Rows of the whole table (all ranks together): [0, rows/2) the bigram channel, [rows/2, rows) the
+    trigram channel, each channel's last row reserved for positions without enough history. Even, < 2**31."""
+    dim: int = 768
+    """ngram_dim: width of a row; the n-gram embedding enters the residual's first ``dim`` channels."""
+    sign_pool_rows: int = 8192
+    """Rows of the +-1 sign pool (a power of two: the sign hash is reduced with a mask)."""
+    bigram_row_muls: list[int] = field(default_factory=lambda: [36313, 27191])
+    """Multipliers of x[t], x[t-1] in the bigram row hash (int32 products wrap, XOR, then mod)."""
+    trigram_row_muls: list[int] = field(default_factory=lambda: [17351, 60961, 45259])
+    """Multipliers of x[t], x[t-1], x[t-2] in the trigram row hash."""
+    bigram_sign_muls: list[int] = field(default_factory=lambda: [48271, 30011])
+    """Multipliers of x[t], x[t-1] in the bigram sign-row hash (independent of the row hash)."""
+    trigram_sign_muls: list[int] = field(default_factory=lambda: [58699, 39779, 26801])
+    """Multipliers of x[t], x[t-1], x[t-2] in the trigram sign-row hash."""
+    inject_layers: list[int] = field(default_factory=lambda: [0, 1, 4, 5, 9])
+    """Layers that add the gated n-gram embedding into the residual (layer 0's before the loop, so it is part
+    of cache[0]); each has one MUDD gate lane (pre gate before post_gate_layer, post gate from it on). The
+    last layer injects through MUDD coefficient 11 instead, when mudd is on."""
+    gate_init: float = 0.05
+    """Initial value of every n-gram gate lane and of MUDD coefficient 11 (biases are stored divided by the
+    gates' scale)."""
+    lr_mul: float = 70.0
+    """Multiplier on the Adam base lr (optim.adam_lr times the lr schedule)."""
+    wd_mul: float = 5.0
+    """Multiplier on the Adam base weight decay; doubled from optim.value_embed_period4_start (cautious decay
+    of strength lr^2 * weight_decay * wd_mul)."""
+    beta2: float = 0.95
+    """The row second moment's decay per update (squared from optim.value_embed_period4_start); beta1 is 0."""
+    adam_impl: str = "reference"
+    """The row update: "reference" (torch ops, optim/ngram_adam.py) or "triton" (one kernel a row,
+    track_1_short/perf/kernels/ngram_adam.py; CUDA, or a CPU under TRITON_INTERPRET=1). The same bits."""
+
+    def validate(self, model_dim: int, num_layers: int) -> None:
+        def fail(msg: str) -> None:
+            raise ModelConfigError(f"model config: ngram.{msg}")
+
+        if not self.enabled:
+            return
+        if self.rows % 2 or not 4 <= self.rows < 2**31:
+            fail(f"rows={self.rows} must be even, >= 4 and < 2**31 (two channels of int32 row ids).")
+        if not 0 < self.dim <= model_dim:
+            fail(f"dim={self.dim} must be in (0, model_dim={model_dim}]: it fills the residual's first ones.")
+        p = self.sign_pool_rows
+        if p <= 0 or p & (p - 1):
+            fail(f"sign_pool_rows={p} must be a power of two (the sign hash is reduced with a mask).")
+        for name, n in (
+            ("bigram_row_muls", 2),
+            ("trigram_row_muls", 3),
+            ("bigram_sign_muls", 2),
+            ("trigram_sign_muls", 3),
+        ):
+            muls = list(getattr(self, name))
+            if len(muls) != n or any(not 0 < int(m) < 2**31 for m in muls):
+                fail(f"{name}={muls} must hold {n} multipliers in (0, 2**31), one per token of the n-gram.")
+        layers = list(self.inject_layers)
+        if any(not 0 <= v < num_layers for v in layers) or len(set(layers)) != len(layers):
+            fail(f"inject_layers={layers} must hold distinct layer indices in [0, {num_layers}).")
+        if not self.lr_mul >= 0 or not self.wd_mul >= 0:
+            fail(f"lr_mul={self.lr_mul} and wd_mul={self.wd_mul} must be >= 0.")
+        if not 0.0 <= self.beta2 < 1.0:
+            fail(f"beta2={self.beta2} must lie in [0, 1).")
+        if self.adam_impl not in NGRAM_ADAM_IMPLS:
+            fail(f"adam_impl={self.adam_impl!r} must be one of {list(NGRAM_ADAM_IMPLS)}.")
+
+
+NGRAM_ADAM_IMPLS = ("reference", "triton")
 
 
 @dataclass
@@ -239,6 +318,8 @@ class ModelConfig:
 
     param_table: ParamTableConfig = field(default_factory=ParamTableConfig)
     """Optimizer multipliers per parameter label."""
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+    """The hashed n-gram embedding table (off unless ``ngram.enabled``)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -384,6 +465,21 @@ class ModelConfig:
             needed = max(_pre_lanes(self), _post_lanes(self))
             if needed > self.mudd_gate_lanes:
                 fail(f"the MUDD gates need {needed} lanes but mudd_gate_lanes={self.mudd_gate_lanes}.")
+        self.ngram.validate(self.model_dim, n)
+        if self.ngram.enabled:
+            inject = set(self.ngram.inject_layers)
+            if not self.mudd_gates:
+                fail("ngram.enabled needs the per-token MUDD gates: set mudd_gates=true.")
+            if self.skip_target_layer in inject:
+                fail(
+                    f"ngram.inject_layers holds skip_target_layer={self.skip_target_layer}, which adds the "
+                    "skip instead of injections; drop it from ngram.inject_layers."
+                )
+            if self.mudd and n - 1 in inject:
+                fail(
+                    f"layer {n - 1} injects the n-gram embedding through MUDD coefficient 11; drop it from "
+                    "ngram.inject_layers."
+                )
         if self.mudd:
             last = n - 1
             if last not in attn or last in self.no_mlp_layers:
@@ -410,23 +506,32 @@ class ModelConfig:
 
 
 def _pre_lanes(cfg: ModelConfig) -> int:
-    """Lanes of the pre gate: XSA strengths (H each), early attention gates (H each), early x0 gates (1)."""
+    """Lanes of the pre gate: XSA strengths (H each), early attention gates (H each), early x0 gates (1 each),
+    early n-gram gates (1 each)."""
     h, p = cfg.num_heads, cfg.post_gate_layer
     return (
         h * len(cfg.xsa_layers)
         + h * sum(i < p for i in cfg.attn_gate_layers)
         + sum(i < p for i in cfg.x0_inject_layers)
+        + sum(i < p for i in _ngram_layers(cfg))
     )
 
 
 def _post_lanes(cfg: ModelConfig) -> int:
-    """Lanes of the post gate: late attention gates (H each), late x0 gates (1 each), the skip gate (1)."""
+    """Lanes of the post gate: late attention gates (H each), late x0 gates (1 each), late n-gram gates
+    (1 each), the skip gate (1)."""
     h, p = cfg.num_heads, cfg.post_gate_layer
     return (
         h * sum(i >= p for i in cfg.attn_gate_layers)
         + sum(i >= p for i in cfg.x0_inject_layers)
+        + sum(i >= p for i in _ngram_layers(cfg))
         + (cfg.skip_target_layer >= 0)
     )
+
+
+def _ngram_layers(cfg: ModelConfig) -> list[int]:
+    """Layers with an n-gram gate lane (none while the table is off)."""
+    return list(cfg.ngram.inject_layers) if cfg.ngram.enabled else []
 
 
 def _mudd_sources(cfg: ModelConfig) -> list[str]:
@@ -460,7 +565,7 @@ class Topology:
     """Value-embedding layers gated by ve_gate_bank (the MUDD layer's gate comes from MUDD)."""
     pre_lanes: dict[str, dict[int, tuple[int, int]]]
     post_lanes: dict[str, dict[int, tuple[int, int]]]
-    """kind -> layer -> (first lane, width), kinds "xsa", "attn_gate", "x0", "skip"."""
+    """kind -> layer -> (first lane, width), kinds "xsa", "attn_gate", "x0", "ngram", "skip"."""
     cache_layers: tuple[int, ...]
     scalars_len: int
     vocab_padded: int
@@ -491,14 +596,18 @@ class Topology:
         last = cfg.num_layers - 1
         ve_gated = tuple(i for i in cfg.value_embed_layers if not (cfg.mudd and i == last))
         p, h = cfg.post_gate_layer, cfg.num_heads
-        pre: dict[str, dict[int, tuple[int, int]]] = {"xsa": {}, "attn_gate": {}, "x0": {}, "skip": {}}
-        post: dict[str, dict[int, tuple[int, int]]] = {"xsa": {}, "attn_gate": {}, "x0": {}, "skip": {}}
+        kinds = ("xsa", "attn_gate", "x0", "ngram", "skip")
+        pre: dict[str, dict[int, tuple[int, int]]] = {k: {} for k in kinds}
+        post: dict[str, dict[int, tuple[int, int]]] = {k: {} for k in kinds}
+        ngram = _ngram_layers(cfg)
         if cfg.mudd_gates:
             lane = 0
+            # upstream's lane order: the n-gram lanes after the x0 lanes in both gates, before the skip lane
             for kind, layers, width in (
                 ("xsa", cfg.xsa_layers, h),
                 ("attn_gate", cfg.attn_gate_layers, h),
                 ("x0", cfg.x0_inject_layers, 1),
+                ("ngram", ngram, 1),
             ):
                 for i in layers:
                     if i < p:
@@ -508,6 +617,7 @@ class Topology:
             for kind, layers, width in (
                 ("attn_gate", cfg.attn_gate_layers, h),
                 ("x0", cfg.x0_inject_layers, 1),
+                ("ngram", ngram, 1),
                 ("skip", [cfg.skip_target_layer] if cfg.skip_target_layer >= 0 else [], 1),
             ):
                 for i in layers:

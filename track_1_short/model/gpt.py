@@ -20,9 +20,13 @@ The forward pass, per packed batch of whole documents (T tokens; documents never
   activations (caches, value embeddings) back in, per token and per channel group; then norm, lm_head,
   softcap 23 * sigmoid((z + 5) / 7.5) and the summed multi-token cross-entropy.
 
-Out of scope (upstream has them, this model does not): the hashed n-gram embedding table and its gates (their
-lanes in mudd_gate_w2 / mudd_b2 are kept, unused, so the shapes match), FP8 projections and loss, the sampled
-softmax, canonical-token masking at validation, the prefix-token auxiliary loss, end-of-run tail averaging.
+The hashed n-gram embedding (``model.ngram.enabled``, model/ngram.py): the sum of two signed rows of a
+sharded table, gated per token, enters the residual's first ngram.dim channels before the loop (part of
+cache[0]), after the sublayer of each ngram.inject_layers layer, and at the MUDD layer through coefficient 11;
+off, its gate lanes and coefficient 11 stay in the shapes, unused.
+
+Out of scope (upstream has them, this model does not): FP8 projections and loss, the sampled softmax,
+canonical-token masking at validation, the prefix-token auxiliary loss, end-of-run tail averaging.
 Deliberate differences: the smear gate and the partial key offset stop at document starts (upstream lets them
 read the previous document's last token), so no information crosses a document boundary;
 ``cross_document_lookback=true`` gives upstream's behaviour instead (on the CPU smoke record, seed 1: val
@@ -68,11 +72,20 @@ from track_1_short.model.layers import (
     softcapped_cross_entropy_sum,
     yarn_rescale_,
 )
+from track_1_short.model.ngram import NgramTable, new_sign_pool, ngram_embedding, ngram_indices
 
 
 def _unpack_lanes(gate: Tensor, lanes: dict[str, dict[int, tuple[int, int]]]) -> dict[str, dict[int, Tensor]]:
     """Slice a gate output [T, lanes] into kind -> layer -> [T, width]."""
     return {kind: {i: gate[:, a : a + w] for i, (a, w) in per.items()} for kind, per in lanes.items()}
+
+
+def _add_ngram(x: Tensor, x_ng: Tensor, gate: Tensor) -> Tensor:
+    """x [T, D] with x_ng [T, n] * gate [T, 1] added into its first n channels."""
+    n = x_ng.shape[1]
+    if n == x.shape[1]:
+        return x + x_ng * gate
+    return torch.cat([x[:, :n] + x_ng * gate, x[:, n:]], dim=1)
 
 
 # -- the model -------------------------------------------------------------------------------------
@@ -132,6 +145,14 @@ class GPT(nn.Module):
         self.resid_lambdas = param(L, 2, dtype=f32)
         if cfg.mudd_gates:
             self._mudd_gate_scale = param(dtype=f32)
+        if cfg.ngram.enabled:
+            # Not a parameter: the table itself is sharded (model/ngram.py NgramTable, attach_ngram); the pool
+            # is a fixed draw, saved with the model.
+            self.register_buffer(
+                "ngram_sign_pool",
+                torch.zeros(cfg.ngram.sign_pool_rows, cfg.ngram.dim, dtype=bf16, device=build),
+            )
+        self.ngram_table: NgramTable | None = None
 
         # Rotary state per window kind (0 short, 1 long): frequencies and softmax scale, rescaled by YaRN when
         # a training forward sees a window change; the windows (tokens) they were fitted to, -1 = none yet.
@@ -184,7 +205,7 @@ class GPT(nn.Module):
             b[0, 6] = b[0, 7] = 2.0 / s  # value-embedding gates start at 2 (the max of 2 sigmoid elsewhere)
             b[0, 8] = b[0, 12] = math.sqrt(1.1) / s  # dynamic resid lambdas = the static init
             b[0, 9] = b[0, 13] = 1.0 / s  # dynamic post lambdas
-            b[0, 11] = 0.05 / s  # n-gram lambda (reserved lane, upstream's init kept)
+            b[0, 11] = cfg.ngram.gate_init / s  # n-gram lambda (upstream's init, read only with the table)
             b[1, 1] = -0.5 / s  # post-loop coefficient of cache[late]: upstream's absorbed "backout"
             fill_(self.mudd_b2, b)
         if cfg.mudd_gates:
@@ -197,6 +218,8 @@ class GPT(nn.Module):
                     b[block, a : a + w] = 0.25 / s  # attention gates start at 0.25
                 for a, w in lanes["skip"].values():
                     b[block, a : a + w] = 0.5 / s  # skip gate starts at 0.5; XSA and x0 lanes at 0
+                for a, w in lanes["ngram"].values():
+                    b[block, a : a + w] = cfg.ngram.gate_init / s
             fill_(self.mudd_gate_b2, b)
             self._mudd_gate_scale.fill_(s)
         sc = torch.ones(topo.scalars_len)  # pads are ones, as upstream
@@ -207,6 +230,37 @@ class GPT(nn.Module):
         fill_(self.scalars, sc)
         self.post_lambdas.fill_(1.0)
         self.resid_lambdas.fill_(math.sqrt(1.1))  # the two sublayers together scale the residual by 1.1
+        if cfg.ngram.enabled:  # drawn last, so the other weights are those of a model without the table
+            self.ngram_sign_pool.copy_(new_sign_pool(cfg.ngram))
+
+    # -- the n-gram table --
+
+    def attach_ngram(self, table: NgramTable | None) -> None:
+        """The table the forward reads its n-gram rows from (this rank's shard and cache); None detaches."""
+        if table is not None and (not self.cfg.ngram.enabled or table.cfg.dim != self.cfg.ngram.dim):
+            raise ModelConfigError(
+                "attach_ngram: the table's model.ngram config does not match this model's (enabled, "
+                "dim); build both from one config."
+            )
+        self.ngram_table = table
+
+    def ngram_indices(self, inputs: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+        """(row ids [2T], sign rows [2T]) of a batch as the forward hashes it: what a cycle's pull fetches."""
+        t = inputs.numel()
+        start = lookback_starts(document_starts(cu_seqlens, t), self.cfg.cross_document_lookback)
+        return ngram_indices(inputs, start, self.cfg.ngram)
+
+    @torch.compiler.disable
+    def _ngram(self, tokens: Tensor, doc_start: Tensor) -> Tensor:
+        """The n-gram embedding [T, ngram.dim] of a batch (the table's dtype), read through the cache."""
+        if self.ngram_table is None:
+            raise ModelConfigError(
+                "model.ngram.enabled=true but no n-gram table is attached: build an NgramTable and call "
+                "model.attach_ngram(table), then pull the batch's rows (or set model.ngram.enabled=false)."
+            )
+        rows, signs = ngram_indices(tokens, doc_start, self.cfg.ngram)
+        looked_up = self.ngram_table.lookup(rows, check=self.cfg.check_inputs)
+        return ngram_embedding(looked_up, self.ngram_sign_pool, signs)
 
     # -- host-side state --
 
@@ -530,9 +584,14 @@ class GPT(nn.Module):
         if cfg.value_embed_layers:
             planes = self.value_embeds.view(len(cfg.value_embed_layers), topo.vocab_padded, d)[:, tokens]
             ve = {layer: planes[j].to(cd) for j, layer in enumerate(cfg.value_embed_layers)}  # [T, D] each
-        lanes: dict[str, dict[int, Tensor]] = {"xsa": {}, "attn_gate": {}, "x0": {}, "skip": {}}
+        lanes: dict[str, dict[int, Tensor]] = {k: {} for k in topo.pre_lanes}
         if cfg.mudd_gates:
             lanes = _unpack_lanes(self._gate(x0, 0), topo.pre_lanes)
+        x_ng = None
+        if cfg.ngram.enabled:
+            x_ng = self._ngram(tokens, doc_start).to(cd)
+            if 0 in lanes["ngram"]:  # layer 0's injection comes before the loop: it is part of cache[0]
+                x = _add_ngram(x, x_ng, lanes["ngram"][0])
 
         cache = {0: x}
         late_in = None  # norm(cache[late_input_layer]), shared by every later attention layer
@@ -554,6 +613,8 @@ class GPT(nn.Module):
                 x = x * resid[i, 0]
                 if i in lanes["x0"]:
                     x = x + x0 * lanes["x0"][i]
+                if i in lanes["ngram"] and i:
+                    x = _add_ngram(x, x_ng, lanes["ngram"][i])
             else:
                 if late_in is not None:
                     attn_in = late_in
@@ -595,10 +656,14 @@ class GPT(nn.Module):
                 )
                 if mu is not None:
                     x = mu[:, 8:9] * x + mu[:, 9:10] * out + mu[:, 10:11] * cache[0]
+                    if x_ng is not None:
+                        x = _add_ngram(x, x_ng, mu[:, 11:12])
                 else:
                     x = x * resid[i, 0] + out
                     if i in lanes["x0"]:
                         x = x + x0 * lanes["x0"][i]
+                    if i in lanes["ngram"] and i:
+                        x = _add_ngram(x, x_ng, lanes["ngram"][i])
             # MLP sublayer
             if i in cfg.no_mlp_layers:
                 x = x * resid[i, 1]

@@ -1,0 +1,153 @@
+"""The n-gram table in the trainer: cycles, checkpoints, kills and world sizes.
+
+The runs are tests/faults_runs.py's short config (6 steps of 512 tokens, checkpoints every 2) with a small
+table. ``optim.value_embed_period4_start=0`` makes every cycle 4 steps long (one update, at step 3), so the
+checkpoint after step 2 is taken inside a cycle, with its gradient so far pending.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.distributed_harness import run_ranks
+from tests.faults_runs import build, final_state, run_route, short_cfg
+from tests.test_faults import CKPT, assert_tree_bitwise_equal, die
+from track_1_short import checkpoint, trainer
+from track_1_short.checkpoint import CheckpointError
+from track_1_short.model.config import NgramConfig
+from track_1_short.ngram_cycle import NgramCycle
+from track_1_short.optim.anvil import OptimConfig
+
+NG = (
+    "model.mudd_gate_lanes=10",
+    "model.ngram.enabled=true",
+    "model.ngram.rows=4096",
+    "model.ngram.dim=64",
+    "model.ngram.sign_pool_rows=64",
+    "model.ngram.inject_layers=[0,1,3,6]",
+    "optim.replicated_impl=reference",
+)
+LONG_CYCLES = ("optim.value_embed_period4_start=0",)
+
+
+def table_state(t: trainer.Trainer) -> dict:
+    state = t.ngram.state()
+    return {k: state[k] for k in ("shard", "exp_avg_sq", "last_event", "beta2_history", "events")}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ngram_ref")
+    r = trainer.run(short_cfg(str(root), *CKPT, *NG, *LONG_CYCLES, "run_name=ref"))
+    return {"ckpts": r.run_dir / "checkpoints", "table": table_state(r.trainer), **final_state(r.trainer)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", [2, 4])
+def test_resume_is_bitwise_inside_and_at_the_end_of_a_cycle(uninterrupted, step, tmp_path):
+    ckpt = uninterrupted["ckpts"] / checkpoint.checkpoint_name(step)
+    pending = checkpoint.load_side_file(checkpoint.side_files(ckpt)[0])["pending_rows"]
+    assert (pending.numel() > 0) == (step == 2)  # after step 2 the cycle's gradient is pending
+    r = trainer.run(short_cfg(str(tmp_path), *CKPT, *NG, *LONG_CYCLES, f"resume={ckpt}", "run_name=resumed"))
+    assert uninterrupted["table"]["events"] == 1
+    assert uninterrupted["table"]["shard"].float().abs().sum() > 0  # the update moved rows
+    assert_tree_bitwise_equal(table_state(r.trainer), uninterrupted["table"], "table")
+    assert_tree_bitwise_equal(final_state(r.trainer)["params"], uninterrupted["params"], "params")
+
+
+@pytest.mark.slow
+def test_kill_while_writing_a_shard_file_leaves_the_previous_checkpoint_whole(uninterrupted, tmp_path):
+    die(tmp_path, "bytes", 4, *NG, *LONG_CYCLES)  # the first file of step 4 written is this rank's shard file
+    ckpts = tmp_path / "killed" / "checkpoints"
+    assert (ckpts / "step_000004.ngram-000-of-001.pt.tmp").is_file()
+    assert (
+        not (ckpts / "step_000004.pt").exists() and not (ckpts / "step_000004.ngram-000-of-001.pt").exists()
+    )
+    assert checkpoint.resolve(ckpts).name == "step_000002.pt"
+    resumed = trainer.run(short_cfg(str(tmp_path), *CKPT, *NG, *LONG_CYCLES, f"resume={ckpts}", "run_name=r"))
+    assert_tree_bitwise_equal(table_state(resumed.trainer), uninterrupted["table"], "table")
+    assert_tree_bitwise_equal(final_state(resumed.trainer)["params"], uninterrupted["params"], "params")
+
+
+def _cycle(rank: int, world: int, cfg: NgramConfig) -> NgramCycle:
+    """A table and its optimizer as the trainer builds them, without a model or data."""
+    fake = SimpleNamespace(
+        cfg=SimpleNamespace(model=SimpleNamespace(ngram=cfg), optim=OptimConfig()),
+        rank=rank,
+        world=world,
+        device=torch.device("cpu"),
+        model=SimpleNamespace(attach_ngram=lambda table: None),
+    )
+    return NgramCycle(fake)
+
+
+def _whole(cycles: list[NgramCycle]) -> dict:
+    states = [c.state() for c in cycles]
+    return {k: torch.cat([s[k] for s in states]) for k in ("shard", "exp_avg_sq", "last_event")}
+
+
+def test_resume_across_world_sizes_reshards_rows_and_adam_state_exactly(tmp_path):
+    """1 -> 2 -> 3 -> 1 ranks through the shard files: every row, second moment and event stamp in place."""
+    cfg = NgramConfig(enabled=True, rows=998, dim=8)  # 3 ranks: 333 rows each, one padding row
+    (one,) = cycles = [_cycle(0, 1, cfg)]
+    g = torch.Generator().manual_seed(0)
+    one.table.shard.copy_(torch.randn(998, 8, generator=g))
+    one.opt.exp_avg_sq.copy_(torch.rand(998, generator=g))
+    one.opt.last_event.copy_(torch.randint(0, 4, (998,), generator=g))
+    one.opt.events = 3
+    one.opt.beta2_history[1:4] = torch.tensor([0.95, 0.95, 0.9025])
+    original = _whole(cycles)
+    for step, world in enumerate([2, 3, 1], start=1):
+        ckpt = tmp_path / f"w{world}"
+        for c in cycles:
+            c.save(ckpt, step)
+        (ckpt / checkpoint.checkpoint_name(step)).write_bytes(b"")  # the main file the side files sit beside
+        cycles = [_cycle(r, world, cfg) for r in range(world)]
+        for c in cycles:
+            c.load(ckpt / checkpoint.checkpoint_name(step))
+            assert c.opt.events == 3 and torch.equal(c.opt.beta2_history[:4], one.opt.beta2_history[:4])
+        assert_tree_bitwise_equal(_whole(cycles), original, f"world {world}")
+        if world == 3:
+            assert cycles[-1].table.shard[-1].eq(0).all()  # the padding row
+
+
+def test_a_cycle_in_progress_resumes_only_on_its_world_size(tmp_path):
+    cfg = NgramConfig(enabled=True, rows=64, dim=4)
+    cycles = [_cycle(r, 2, cfg) for r in range(2)]
+    for c in cycles:
+        c.table.carry_gradient(torch.tensor([1, 40]), torch.ones(2, 4))
+        c.save(tmp_path, 2)
+    main = tmp_path / checkpoint.checkpoint_name(2)
+    main.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="inside an n-gram update cycle on 2 ranks"):
+        _cycle(0, 1, cfg).load(main)
+    (tmp_path / "step_000002.ngram-001-of-002.pt").unlink()
+    with pytest.raises(CheckpointError, match="not one whole set"):
+        _cycle(0, 2, cfg).load(main)
+
+
+def _gloo_train(rank, world, runs_root):
+    r = trainer.run(short_cfg(runs_root, *CKPT, *NG, "run_name=gloo"))
+    return {"run_dir": str(r.run_dir), "table": table_state(r.trainer), "losses": r.train_losses}
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_train_checkpoint_and_resume_on_one(tmp_path):
+    """Two ranks train with the table sharded; their step-4 checkpoint resumes on one process, which loads
+    exactly the two shards' rows."""
+    ranks = run_ranks(_gloo_train, 2, str(tmp_path))
+    assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[0]["table"]["events"] == 3
+    ckpt = Path(ranks[0]["run_dir"]) / "checkpoints" / "step_000004.pt"
+    saved = [checkpoint.load_side_file(f) for f in checkpoint.side_files(ckpt)]
+    assert [s["world_size"] for s in saved] == [2, 2]
+    cfg = short_cfg(str(tmp_path), *CKPT, *NG, f"resume={ckpt}", "run_name=one")
+    with run_route(cfg):
+        t = build(cfg)
+        t.resume(str(ckpt))
+    assert torch.equal(t.ngram.table.shard, torch.cat([s["shard"] for s in saved]))
+    assert torch.equal(t.ngram.opt.exp_avg_sq, torch.cat([s["exp_avg_sq"] for s in saved]))
+    assert t.ngram.opt.events == 2

@@ -1,0 +1,281 @@
+"""The hashed n-gram embedding: a table of ``model.ngram.rows`` rows no rank holds whole, read through a
+per-rank cache of the rows an optimizer cycle uses.
+
+Every position t reads two rows of one table: a bigram row (hash of x[t-1], x[t]) from the first half and a
+trigram row (hash of x[t-2], x[t-1], x[t]) from the second half. Each is multiplied by a +-1 row of a small
+sign pool chosen by an independent hash of the same tokens, and the two signed rows are summed; the model
+adds the sum, gated per token, into the residual's first ``ngram.dim`` channels (model/gpt.py).
+
+Hashes (record #92, upstream ngram_table.py @ f380c1f0): each token times a fixed multiplier in wrapping int32
+arithmetic, XOR, then the non-negative remainder modulo the channel's size less one; the sign hash is reduced
+with a mask of the pool size. A position whose n-gram reaches before its document's start (or before the
+batch, with ``cross_document_lookback``) reads the channel's reserved last row and sign row 0. Deliberate
+difference: upstream's bigram hash at batch position 1 reads the reserved row id as its previous token (an
+artefact of hashing in place); here position 1 hashes (x[0], x[1]).
+
+Sharding: rank r owns rows [r * per_rank, (r + 1) * per_rank), per_rank = ceil(rows / world); the last
+shard's rows past ``rows`` are padding, never read (every hash lands below ``rows``). The table changes only
+at its optimizer's updates, so a cycle's rows (the steps up to and including one update) are pulled once:
+counts, then row ids, then the owners' rows, each one all-to-all through ``distributed``; the rows a rank owns
+are copied locally and never go on the wire. The forward reads the cache and adds a zeros leaf (the sink) of
+the batch's [2T, dim] rows, so the gradient lands on the sink. At the update the sinks' gradients are summed
+per cached row (fp32), sent back to the owners along the pull's routes, and summed per row in rank order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from track_1_short import distributed
+from track_1_short.model.config import ModelConfigError, NgramConfig
+
+
+def _wrap32(values: Tensor) -> Tensor:
+    return values.to(torch.int32)
+
+
+def _hash(tokens: list[Tensor], muls) -> Tensor:
+    """XOR of token * multiplier over the n-gram's tokens, products wrapping in int32 (as upstream's)."""
+    out = None
+    for x, m in zip(tokens, muls):
+        term = _wrap32(x) * int(m)  # an int32 tensor times a Python int stays int32: the product wraps
+        out = term if out is None else torch.bitwise_xor(out, term)
+    return out
+
+
+def ngram_indices(tokens: Tensor, lookback_start: Tensor, cfg: NgramConfig) -> tuple[Tensor, Tensor]:
+    """(row ids int64 [2T], sign-pool rows int64 [2T]) of a packed batch: the first T the bigram channel's,
+    the last T the trigram channel's. ``lookback_start`` bool [T]: True where the look-back stops (document
+    starts, or only position 0 with cross-document look-back), as model/layers.py ``lookback_starts``
+    gives it."""
+    x = tokens.to(torch.int32)
+    t = x.numel()
+    half = cfg.rows // 2
+    bigram_mod, trigram_mod = half - 1, cfg.rows - half - 1
+    pool_mask = cfg.sign_pool_rows - 1
+    prev1 = torch.cat([x[:1], x[:-1]])
+    prev2 = torch.cat([x[:2], x[:-2]])[:t]
+    start = lookback_start.bool()
+    # bigram needs x[t-1] in the same document; trigram needs x[t-2] too (t-1 is no start either)
+    no_bigram = start
+    no_trigram = start | torch.cat([start[:1], start[:-1]])
+    if t:
+        no_trigram[:2] = True
+    bigram_row = torch.remainder(_hash([x, prev1], cfg.bigram_row_muls), bigram_mod)
+    trigram_row = torch.remainder(_hash([x, prev1, prev2], cfg.trigram_row_muls), trigram_mod) + half
+    bigram_row = torch.where(no_bigram, bigram_mod, bigram_row)
+    trigram_row = torch.where(no_trigram, cfg.rows - 1, trigram_row)
+    bigram_sign = torch.bitwise_and(_hash([x, prev1], cfg.bigram_sign_muls), pool_mask)
+    trigram_sign = torch.bitwise_and(_hash([x, prev1, prev2], cfg.trigram_sign_muls), pool_mask)
+    bigram_sign = torch.where(no_bigram, 0, bigram_sign)
+    trigram_sign = torch.where(no_trigram, 0, trigram_sign)
+    rows = torch.cat([bigram_row, trigram_row]).long()
+    signs = torch.cat([bigram_sign, trigram_sign]).long()
+    return rows, signs
+
+
+def new_sign_pool(cfg: NgramConfig) -> Tensor:
+    """The +-1 sign pool [sign_pool_rows, dim] bf16, drawn from torch's global RNG (upstream: sign(randn))."""
+    draw = torch.randn(cfg.sign_pool_rows, cfg.dim)
+    return torch.where(draw >= 0, 1.0, -1.0).to(torch.bfloat16)
+
+
+def ngram_embedding(rows: Tensor, sign_pool: Tensor, signs: Tensor) -> Tensor:
+    """The sum of the two signed rows: rows [2T, dim] (bigram rows, then trigram rows), signs [2T] -> [T, dim]
+    in rows' dtype (the signs are exact, so only the sum rounds)."""
+    t = rows.shape[0] // 2
+    signed = rows * sign_pool[signs].to(rows.dtype)
+    return signed[:t] + signed[t:]
+
+
+class NgramTable:
+    """This rank's shard of the table and the model's cache of the live cycle's rows.
+
+    Every method marked collective is called by all ranks at the same point, in the same order.
+    """
+
+    def __init__(
+        self,
+        cfg: NgramConfig,
+        *,
+        rank: int = 0,
+        world: int = 1,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        if not cfg.enabled:
+            raise ModelConfigError("NgramTable: model.ngram.enabled is false; enable it or build no table.")
+        if not 0 <= rank < world:
+            raise ValueError(f"NgramTable: rank={rank} must lie in [0, world={world}).")
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.device = torch.device(device)
+        self.per_rank = math.ceil(cfg.rows / world)
+        self.first_row = rank * self.per_rank
+        # upstream zero-initialises the table
+        self.shard = torch.zeros(self.per_rank, cfg.dim, dtype=dtype, device=self.device)
+        self.reset_cache()
+
+    @property
+    def bounds(self) -> list[int]:
+        """First row of each rank's shard, then the padded end."""
+        return [r * self.per_rank for r in range(self.world + 1)]
+
+    def reset_cache(self) -> None:
+        """Forget the cached rows and the cycle's gradient (the table and a carried gradient stay)."""
+        self.want: Tensor | None = None  # sorted unique row ids the cache holds, int64
+        self.cache: Tensor | None = None
+        self.per_slot: Tensor | None = None  # the cycle's gradient so far, summed per cached row (fp32)
+        self.sinks: list[tuple[Tensor, Tensor]] = []
+        self._routes: tuple[int, int, list[int], list[int], Tensor] | None = None
+        self._stash: tuple | None = None
+        if not hasattr(self, "carry"):
+            self.carry: tuple[Tensor, Tensor] | None = None
+
+    @torch.no_grad()
+    def zero_(self) -> None:
+        """The initial table, in place (the post-warmup reset)."""
+        self.shard.zero_()
+        self.carry = None
+        self.reset_cache()
+
+    def carry_gradient(self, rows: Tensor, grads: Tensor) -> None:
+        """A cycle's gradient so far (row ids, fp32 sums, as :meth:`pending` gave them at a checkpoint): the
+        next pull fetches these rows too and starts their sums from these values."""
+        self.carry = (rows.to(self.device, torch.int64), grads.to(self.device, torch.float32))
+
+    # -- the pull --
+
+    @torch.no_grad()
+    def pull(self, row_ids: list[Tensor]) -> None:
+        """Collective: fill the cache with every row of ``row_ids`` (a cycle's batches, or between
+        :meth:`begin_eval` and :meth:`end_eval` a validation batch's) from its owner."""
+        if self._stash is None and (self.sinks or self.per_slot is not None):
+            raise RuntimeError(
+                "NgramTable.pull: the live cycle's gradient was never returned (row_grads()) or dropped "
+                "(reset_cache())."
+            )
+        carry = None
+        if self._stash is None:
+            carry, self.carry = self.carry, None
+        ids = [r.reshape(-1).to(self.device, torch.int64) for r in row_ids]
+        if carry is not None:
+            ids.append(carry[0])
+        want = torch.unique(torch.cat(ids)) if ids else torch.zeros(0, dtype=torch.int64, device=self.device)
+        if want.numel() and (int(want[0]) < 0 or int(want[-1]) >= self.cfg.rows):
+            raise ValueError(
+                f"NgramTable.pull: row ids in [{int(want[0])}, {int(want[-1])}] outside the table's "
+                f"[0, {self.cfg.rows}); hash with the same model.ngram.rows."
+            )
+        cuts = torch.searchsorted(want, torch.tensor(self.bounds, device=self.device)).tolist()
+        lo, hi = cuts[self.rank], cuts[self.rank + 1]
+        send_counts = [0 if r == self.rank else cuts[r + 1] - cuts[r] for r in range(self.world)]
+        recv_counts = distributed.exchange_counts(send_counts)
+        asked = distributed.exchange_rows(torch.cat([want[:lo], want[hi:]]), send_counts, recv_counts)
+        received = distributed.exchange_rows(self.shard[asked - self.first_row], recv_counts, send_counts)
+        cache = self.shard.new_empty((want.numel(), self.cfg.dim))
+        cache[:lo] = received[:lo]
+        cache[hi:] = received[lo:]
+        cache[lo:hi] = self.shard[want[lo:hi] - self.first_row]
+        self.want, self.cache = want, cache
+        self._routes = (lo, hi, send_counts, recv_counts, asked)
+        if self._stash is None:  # a training cycle: its gradient starts here, or from the carried sums
+            self.per_slot = torch.zeros(want.numel(), self.cfg.dim, dtype=torch.float32, device=self.device)
+            if carry is not None:
+                self.per_slot[torch.searchsorted(want, carry[0])] = carry[1]
+
+    # -- the forward --
+
+    def lookup(self, row_ids: Tensor, check: bool = True) -> Tensor:
+        """The rows [2T, dim] of ``row_ids`` from the cache; in a training cycle under autograd, plus a zeros
+        sink that catches their gradient (folded into the cycle's sums by :meth:`fold_sinks`)."""
+        if self.want is None:
+            raise RuntimeError(
+                "NgramTable.lookup: no rows were pulled; call pull() with this cycle's row ids first."
+            )
+        slots = torch.searchsorted(self.want, row_ids)
+        if check:
+            found = slots < self.want.numel()
+            found &= self.want[slots.clamp(max=max(self.want.numel() - 1, 0))] == row_ids
+            if not bool(found.all()):
+                raise RuntimeError(
+                    "NgramTable.lookup: the batch reads rows this cycle's pull did not fetch; pull every "
+                    "batch of the cycle (and each validation batch) before its forward."
+                )
+        rows = self.cache[slots]
+        if torch.is_grad_enabled() and self.per_slot is not None:
+            sink = torch.zeros_like(rows, requires_grad=True)
+            self.sinks.append((slots, sink))
+            rows = rows + sink
+        return rows
+
+    # -- the cycle's gradient --
+
+    @torch.no_grad()
+    def fold_sinks(self) -> None:
+        """Add the gradients of the forwards since the last call into the per-row sums, in call order."""
+        for slots, sink in self.sinks:
+            if sink.grad is not None:
+                self.per_slot.index_add_(0, slots, sink.grad.float())
+        self.sinks = []
+
+    def drop_sinks(self) -> None:
+        """Forget the gradients of the forwards since the last fold (a step whose update is skipped)."""
+        self.sinks = []
+
+    @torch.no_grad()
+    def pending(self) -> tuple[Tensor, Tensor]:
+        """(row ids, fp32 sums) of the live cycle's gradient so far (or of a carried one); empty if none."""
+        if self.per_slot is not None:
+            self.fold_sinks()
+            return self.want.clone(), self.per_slot.clone()
+        if self.carry is not None:
+            return self.carry[0].clone(), self.carry[1].clone()
+        empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+        return empty, torch.zeros(0, self.cfg.dim, dtype=torch.float32, device=self.device)
+
+    @torch.no_grad()
+    def row_grads(self) -> tuple[Tensor, Tensor]:
+        """Collective: the cycle's gradient summed per row, on the rows' owners; ends the cycle.
+
+        Returns (local row indices int64 [N], unique and sorted; gradients fp32 [N, dim]): each row's sum
+        over ranks in rank order of each rank's sum over its forwards (in call order)."""
+        if self.per_slot is None:
+            raise RuntimeError("NgramTable.row_grads: no training cycle was pulled.")
+        self.fold_sinks()
+        lo, hi, send_counts, recv_counts, asked = self._routes
+        per_slot = self.per_slot
+        received = distributed.exchange_rows(
+            torch.cat([per_slot[:lo], per_slot[hi:]]), send_counts, recv_counts
+        )
+        own = self.want[lo:hi] - self.first_row
+        parts, at = [], 0
+        for r in range(self.world):
+            if r == self.rank:
+                parts.append((own, per_slot[lo:hi]))
+            else:
+                n = recv_counts[r]
+                parts.append((asked[at : at + n] - self.first_row, received[at : at + n]))
+                at += n
+        rows = torch.unique(torch.cat([p[0] for p in parts]))
+        grads = torch.zeros(rows.numel(), self.cfg.dim, dtype=torch.float32, device=self.device)
+        for ids, g in parts:  # rank order; a row appears at most once per rank, so each add is one term
+            grads.index_add_(0, torch.searchsorted(rows, ids), g)
+        self.reset_cache()
+        return rows, grads
+
+    # -- validation pulls, beside a live training cycle --
+
+    def begin_eval(self) -> None:
+        """Set the live cycle's cache aside while validation pulls its own batches (no re-exchange after)."""
+        if self._stash is None:
+            self._stash = (self.want, self.cache, self.per_slot, self.sinks, self._routes)
+            self.want = self.cache = self.per_slot = None
+            self.sinks = []
+
+    def end_eval(self) -> None:
+        if self._stash is not None:
+            self.want, self.cache, self.per_slot, self.sinks, self._routes = self._stash
+            self._stash = None

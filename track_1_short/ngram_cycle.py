@@ -1,0 +1,253 @@
+"""The trainer's side of the n-gram table: optimizer cycles, validation pulls, warmup restore, checkpoints.
+
+A cycle is the run of steps up to and including one table update (optim/ngram_adam.py ``ngram_cadence``). At
+its first step the trainer's batches for every step of the cycle are read ahead (the loader's position after
+each step is kept), their rows are pulled once (model/ngram.py ``NgramTable.pull``), and the steps then take
+their batches from here. After each step the forwards' gradients are folded into the cycle's per-row sums; at
+the update step they go back to their owners and the row-sparse Adam updates the rows.
+
+Checkpoints: every rank writes its shard, its Adam rows and the cycle's gradient so far into a file of its
+own beside the main checkpoint (``step_NNNNNN.ngram-RRR-of-WWW.pt``, atomic like it), before rank 0 writes
+the main file and moves ``latest``: a kill at any moment leaves ``latest`` naming a checkpoint whose files are
+all whole. The main checkpoint's loader entry is the position after the last step run, not the read-ahead.
+A resume reads every saved shard file that overlaps this rank's rows, so a different world size re-shards the
+table and its Adam rows exactly; a cycle's gradient so far is per rank, so only a checkpoint taken at a cycle
+boundary (none pending) can be resumed on another world size.
+
+What guards the table: it is sharded, not replicated, so the replica checksum cannot cover it. Before each
+update every rank checks the cycle's merged row gradients for NaN/inf and the ranks agree on the result
+(one all-reduce): with guards.nan_policy "skip" the update is dropped on every rank, "stop" raises; a
+checkpoint refuses a non-finite shard or Adam row (checkpoint.assert_finite).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from track_1_short import checkpoint, distributed, schedule
+from track_1_short.config import accumulation_steps
+from track_1_short.model.ngram import NgramTable
+from track_1_short.optim.ngram_adam import NgramAdam, ngram_cadence
+
+SHARD_FORMAT = 1
+
+
+class NgramCycle:
+    def __init__(self, trainer) -> None:
+        cfg = trainer.cfg
+        self.cfg, self.trainer = cfg, trainer
+        self.ncfg = cfg.model.ngram
+        self.table = NgramTable(self.ncfg, rank=trainer.rank, world=trainer.world, device=trainer.device)
+        self.opt = NgramAdam(self.table, self.ncfg, cfg.optim)
+        trainer.model.attach_ngram(self.table)
+        self.queue: dict[int, list] = {}  # step -> its micro batches, read ahead for the cycle
+        self.loader_after: dict[int, dict] = {}  # step -> the loader's position after its batches
+        self.pull_s = 0.0  # seconds in pulls since the last take_pull_ms()
+        self.skipped_updates: list[int] = []
+
+    # -- the cycle --
+
+    def cycle_end(self, step: int) -> int:
+        """The update step that closes the cycle holding ``step`` (the run's last step if none comes)."""
+        last = self.trainer.total_steps - 1
+        s = step
+        while s < last and not ngram_cadence(self.cfg.optim, s, self.ncfg)[0]:
+            s += 1
+        return s
+
+    def batches(self, step: int) -> list:
+        """The micro batches of ``step``; at a cycle's first step (or a step out of sequence: the warmup's),
+        read the cycle's batches ahead and pull their rows."""
+        if step not in self.queue:
+            self.queue.clear()
+            self.loader_after.clear()
+            if self.table.per_slot is not None:  # a jump (warmup): the unfinished cycle is abandoned
+                self.table.reset_cache()
+            loader = self.trainer.loader
+            for s in range(step, self.cycle_end(step) + 1):
+                plan = schedule.plan(self.cfg.schedule, s, self.cfg.optim.adam_every)
+                accum = accumulation_steps(plan.batch_tokens, self.trainer.world, self.cfg.micro_batch_tokens)
+                micro = plan.batch_tokens // self.trainer.world // accum
+                self.queue[s] = [loader.next_batch(micro, plan.max_doc_len) for _ in range(accum)]
+                self.loader_after[s] = loader.state_dict()
+            t = time.perf_counter()
+            self.table.pull([self._row_ids(b) for s in self.queue for b in self.queue[s]])
+            self.pull_s += time.perf_counter() - t
+        return self.queue.pop(step)
+
+    def _row_ids(self, batch):
+        from track_1_short.trainer import fixed_boundaries
+
+        cu = fixed_boundaries(batch.cu_seqlens, batch.inputs.numel())
+        return self.trainer.model.ngram_indices(batch.inputs, cu)[0]
+
+    def after_step(self, step: int, lr_multiplier: float, applied: bool) -> None:
+        """After the step's optimizer update (``applied``: the guards let it through): fold or drop the
+        step's gradient; at the cycle's update step, update the table."""
+        if applied:
+            self.table.fold_sinks()
+        else:
+            self.table.drop_sinks()
+        if not self.opt.due(step):
+            return
+        rows, grads = self.table.row_grads()
+        bad = torch.tensor([0.0 if bool(torch.isfinite(grads).all()) else 1.0], device=grads.device)
+        distributed.all_reduce_max(bad)
+        if bad.item():
+            if self.cfg.guards.nan_policy == "stop":
+                raise FloatingPointError(
+                    f"step {step}: the n-gram table's row gradients hold NaN or inf (guards.nan_policy=stop)."
+                )
+            if self.cfg.guards.nan_policy == "skip":
+                self.skipped_updates.append(step)
+                return
+        _, beta2, wd_mul = ngram_cadence(self.cfg.optim, step, self.ncfg)
+        self.opt.update(rows, grads, lr=self.cfg.optim.adam_lr * lr_multiplier, beta2=beta2, wd_mul=wd_mul)
+
+    def take_pull_ms(self) -> float:
+        out, self.pull_s = 1e3 * self.pull_s, 0.0
+        return out
+
+    # -- validation --
+
+    def begin_eval(self) -> None:
+        self.table.begin_eval()
+
+    def eval_batch(self, inputs, cu) -> None:
+        """Collective: pull one validation batch's rows (the training cycle's cache stays aside)."""
+        t = time.perf_counter()
+        self.table.pull([self.trainer.model.ngram_indices(inputs, cu)[0]])
+        self.pull_s += time.perf_counter() - t
+
+    def end_eval(self) -> None:
+        self.table.end_eval()
+
+    # -- state: warmup restore, checkpoints --
+
+    def loader_state(self, step: int) -> dict:
+        """The loader's position after step ``step - 1`` ran (the read-ahead excluded)."""
+        return self.loader_after.get(step - 1, self.trainer.loader.state_dict())
+
+    def state(self) -> dict:
+        """This rank's table state (CPU copies): its real rows, their Adam state, the cycle's gradient."""
+        t, o = self.table, self.opt
+        real = max(0, min(t.per_rank, self.ncfg.rows - t.first_row))
+        rows, grads = t.pending()
+        return {
+            "format": SHARD_FORMAT,
+            "rows": self.ncfg.rows,
+            "world_size": t.world,
+            "first_row": t.first_row,
+            "shard": t.shard[:real].detach().to("cpu", copy=True),
+            "exp_avg_sq": o.exp_avg_sq[:real].to("cpu", copy=True),
+            "last_event": o.last_event[:real].to("cpu", copy=True),
+            "beta2_history": o.beta2_history[: o.events + 1].to("cpu", copy=True),
+            "events": o.events,
+            "pending_rows": rows.cpu(),
+            "pending_grads": grads.cpu(),
+        }
+
+    def snapshot(self) -> dict:
+        """What the warmup restores: a marker while the table is untouched (zero table, no update: restored
+        in place, never copied), else :meth:`state`."""
+        fresh = self.opt.events == 0 and self.table.carry is None and self.table.per_slot is None
+        return {"fresh": True} if fresh else self.state()
+
+    def restore(self, snap: dict) -> None:
+        self.queue.clear()
+        self.loader_after.clear()
+        self.table.reset_cache()
+        if snap.get("fresh"):
+            self.table.zero_()
+            self.opt.reset()
+        else:
+            self.load_states([snap])
+
+    @torch.no_grad()
+    def load_states(self, states: list[dict]) -> None:
+        """This rank's rows from saved shard states covering the table (any world size they were saved at)."""
+        t, o = self.table, self.opt
+        for st in states:
+            if st.get("format") != SHARD_FORMAT or st.get("rows") != self.ncfg.rows:
+                raise checkpoint.CheckpointError(
+                    f"an n-gram shard file has format {st.get('format')!r} and {st.get('rows')!r} rows; this "
+                    f"run reads format {SHARD_FORMAT} with model.ngram.rows={self.ncfg.rows}. Resume with "
+                    "the model config the checkpoint was written with."
+                )
+        covered = sorted((int(st["first_row"]), int(st["first_row"]) + st["shard"].shape[0]) for st in states)
+        end = 0
+        for a, b in covered:
+            if a != end:
+                break
+            end = b
+        if end != self.ncfg.rows:
+            raise checkpoint.CheckpointError(
+                f"the n-gram shard files cover rows up to {end} of {self.ncfg.rows} without a gap: a shard "
+                "file is missing; resume from a checkpoint whose files are all present."
+            )
+        events = {int(st["events"]) for st in states}
+        pending = [st for st in states if st["pending_rows"].numel()]
+        if pending and len(states) != t.world:
+            raise checkpoint.CheckpointError(
+                f"the checkpoint was taken inside an n-gram update cycle on {len(states)} ranks; it resumes "
+                f"only on {len(states)} ranks (this run has {t.world}). Resume from a checkpoint at an "
+                "update step."
+            )
+        if len(events) != 1:
+            raise checkpoint.CheckpointError(f"the n-gram shard files disagree on the update count {events}.")
+        lo, hi = t.first_row, min(t.first_row + t.per_rank, self.ncfg.rows)
+        t.shard.zero_()
+        for st in states:
+            a, b = int(st["first_row"]), int(st["first_row"]) + st["shard"].shape[0]
+            s, e = max(a, lo), min(b, hi)
+            if s < e:
+                t.shard[s - lo : e - lo] = st["shard"][s - a : e - a].to(t.shard.device)
+                o.exp_avg_sq[s - lo : e - lo] = st["exp_avg_sq"][s - a : e - a].to(o.exp_avg_sq.device)
+                o.last_event[s - lo : e - lo] = st["last_event"][s - a : e - a].to(o.last_event.device)
+        history = states[0]["beta2_history"]
+        o.events = int(states[0]["events"])
+        o.beta2_history = torch.zeros(max(64, 2 * history.numel()), device=o.beta2_history.device)
+        o.beta2_history[: history.numel()] = history.to(o.beta2_history.device)
+        mine = [st for st in states if int(st["first_row"]) == t.first_row and len(states) == t.world]
+        t.carry = None
+        if mine and mine[0]["pending_rows"].numel():
+            t.carry_gradient(mine[0]["pending_rows"], mine[0]["pending_grads"])
+
+    def shard_file(
+        self, ckpt_dir: Path, step: int, rank: int | None = None, world: int | None = None
+    ) -> Path:
+        rank = self.table.rank if rank is None else rank
+        world = self.table.world if world is None else world
+        return Path(ckpt_dir) / f"{checkpoint.checkpoint_name(step)[:-3]}.ngram-{rank:03d}-of-{world:03d}.pt"
+
+    def save(self, ckpt_dir: Path, step: int) -> None:
+        """Every rank: write this rank's shard file (atomically); the caller then writes the main file."""
+        state = self.state()
+        for key in ("shard", "exp_avg_sq", "pending_grads"):
+            checkpoint.assert_finite(state[key], f"n-gram table {key}")
+        checkpoint.save_side_file(self.shard_file(ckpt_dir, step), {"step": step, **state})
+
+    def load(self, main_file: Path) -> None:
+        """Read every shard file beside ``main_file`` (written at whatever world size) and take this rank's
+        rows."""
+        stem = main_file.name[:-3]
+        files = sorted(main_file.parent.glob(f"{stem}.ngram-*-of-*.pt"))
+        if not files:
+            raise checkpoint.CheckpointError(
+                f"{main_file} has no n-gram shard files beside it ({stem}.ngram-*.pt) but "
+                "model.ngram.enabled is true: it was written without the table; resume with "
+                "model.ngram.enabled=false."
+            )
+        worlds = {f.name.rsplit("-of-", 1)[1][:-3] for f in files}
+        if len(worlds) != 1 or len(files) != int(next(iter(worlds))):
+            raise checkpoint.CheckpointError(
+                f"the n-gram shard files beside {main_file} are {[f.name for f in files]}: not one whole set "
+                "(ngram-000-of-W .. ngram-(W-1)-of-W); resume from a checkpoint whose files are all present."
+            )
+        self.queue.clear()
+        self.loader_after.clear()
+        self.table.reset_cache()
+        self.load_states([checkpoint.load_side_file(f) for f in files])
