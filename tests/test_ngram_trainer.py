@@ -73,10 +73,14 @@ def test_kill_while_writing_a_shard_file_leaves_the_previous_checkpoint_whole(un
     assert_tree_bitwise_equal(final_state(resumed.trainer)["params"], uninterrupted["params"], "params")
 
 
-def _cycle(rank: int, world: int, cfg: NgramConfig) -> NgramCycle:
+def _cycle(rank: int, world: int, cfg: NgramConfig, nan_policy: str = "stop") -> NgramCycle:
     """A table and its optimizer as the trainer builds them, without a model or data."""
     fake = SimpleNamespace(
-        cfg=SimpleNamespace(model=SimpleNamespace(ngram=cfg), optim=OptimConfig()),
+        cfg=SimpleNamespace(
+            model=SimpleNamespace(ngram=cfg),
+            optim=OptimConfig(),
+            guards=SimpleNamespace(nan_policy=nan_policy),
+        ),
         rank=rank,
         world=world,
         device=torch.device("cpu"),
@@ -151,3 +155,23 @@ def test_two_gloo_ranks_train_checkpoint_and_resume_on_one(tmp_path):
     assert torch.equal(t.ngram.table.shard, torch.cat([s["shard"] for s in saved]))
     assert torch.equal(t.ngram.opt.exp_avg_sq, torch.cat([s["exp_avg_sq"] for s in saved]))
     assert t.ngram.opt.events == 2
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_a_non_finite_row_gradient_stops_or_skips_the_update(policy):
+    """The table is sharded, so the replica checksum cannot see it: its update checks the merged row
+    gradients instead (on every rank alike: one all-reduce of the flag)."""
+    cfg = NgramConfig(enabled=True, rows=64, dim=4)
+    cycle = _cycle(0, 1, cfg, nan_policy=policy)
+    cycle.table.shard.fill_(1.0)
+    cycle.table.pull([torch.tensor([3, 5])])
+    rows = cycle.table.lookup(torch.tensor([3, 5]))
+    (rows.float() * torch.tensor([[1.0], [float("nan")]])).sum().backward()
+    before = cycle.table.shard.clone()
+    if policy == "stop":
+        with pytest.raises(FloatingPointError, match="n-gram table's row gradients"):
+            cycle.after_step(1, 1.0, applied=True)
+    else:
+        cycle.after_step(1, 1.0, applied=True)
+        assert cycle.skipped_updates == [1] and cycle.opt.events == 0
+    assert torch.equal(cycle.table.shard, before)

@@ -176,11 +176,12 @@ wire_bytes_sent = 0
 never sent). Tests read it to show which rows travel."""
 
 
-def exchange_counts(send_counts: list[int]) -> list[int]:
-    """All-to-all of one count per rank: entry j of the result is what rank j sends this rank."""
+def exchange_counts(send_counts: list[int], device: torch.device | str = "cpu") -> list[int]:
+    """All-to-all of one count per rank: entry j of the result is what rank j sends this rank. ``device``:
+    where the backend exchanges (a CUDA device under NCCL, the CPU under gloo)."""
     if world_size() == 1:
         return list(send_counts)
-    send = torch.tensor(send_counts, dtype=torch.int64)
+    send = torch.tensor(send_counts, dtype=torch.int64, device=device)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send)
     return [int(n) for n in recv.tolist()]

@@ -63,10 +63,18 @@ def _batches(data_ranks: int, local_rows: bool = False) -> list[list[list[tuple]
     return out
 
 
-def _train(rank: int, world: int, data_ranks: int, merge_micro: bool = False, local_rows: bool = False):
+def _train(
+    rank: int,
+    world: int,
+    data_ranks: int,
+    merge_micro: bool = False,
+    local_rows: bool = False,
+    device: str = "cpu",
+):
     """Run every cycle; this process takes the data ranks it stands for (all of them at world size 1)."""
     cfg, pool = _cfg(), _pool()
-    table = NgramTable(cfg, rank=rank, world=world)
+    table = NgramTable(cfg, rank=rank, world=world, device=device)
+    pool = pool.to(device)
     real = min(table.per_rank, ROWS - table.first_row)
     table.shard[:real] = _table0()[table.first_row : table.first_row + real]
     opt = NgramAdam(table, cfg, OptimConfig())
@@ -82,8 +90,9 @@ def _train(rank: int, world: int, data_ranks: int, merge_micro: bool = False, lo
         table.pull([m[0] for m in micro])
         pulled = distributed.wire_bytes_sent - before
         for ids, signs, weights in micro:
+            ids, signs, weights = ids.to(device), signs.to(device), weights.to(device)
             out = ngram_embedding(table.lookup(ids), pool, signs)
-            outputs.append(out.detach().clone())
+            outputs.append(out.detach().cpu())
             (out.float() * weights).sum().backward()
         before = distributed.wire_bytes_sent
         rows, grads = table.row_grads()
@@ -92,9 +101,9 @@ def _train(rank: int, world: int, data_ranks: int, merge_micro: bool = False, lo
     opt.bring_current()
     real = min(table.per_rank, ROWS - table.first_row)
     return dict(
-        shard=table.shard[:real].clone(),
-        v=opt.exp_avg_sq[:real].clone(),
-        padding=table.shard[real:].clone(),
+        shard=table.shard[:real].cpu(),
+        v=opt.exp_avg_sq[:real].cpu(),
+        padding=table.shard[real:].cpu(),
         outputs=outputs,
         wire=wire,
     )
@@ -158,3 +167,17 @@ def test_sharded_table_equals_world_size_one(world):
 def test_world_size_one_sends_nothing():
     result = _train(0, 1, 2)
     assert result["wire"] == [(0, 0)] * CYCLES
+
+
+def _cuda_worker(rank: int, world: int):
+    return _train(rank, world, world, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_sharded_table_on_two_nccl_ranks_equals_world_size_one():
+    """The same exchange through NCCL (counts on the device); the reference on one CPU process."""
+    results = run_ranks(_cuda_worker, 2, device="cuda")
+    ref = _train(0, 1, 2)
+    assert torch.equal(_whole(results, "shard"), ref["shard"])
+    assert torch.equal(_whole(results, "v"), ref["v"])

@@ -172,7 +172,7 @@ class NgramTable:
         cuts = torch.searchsorted(want, torch.tensor(self.bounds, device=self.device)).tolist()
         lo, hi = cuts[self.rank], cuts[self.rank + 1]
         send_counts = [0 if r == self.rank else cuts[r + 1] - cuts[r] for r in range(self.world)]
-        recv_counts = distributed.exchange_counts(send_counts)
+        recv_counts = distributed.exchange_counts(send_counts, self.device)
         asked = distributed.exchange_rows(torch.cat([want[:lo], want[hi:]]), send_counts, recv_counts)
         received = distributed.exchange_rows(self.shard[asked - self.first_row], recv_counts, send_counts)
         cache = self.shard.new_empty((want.numel(), self.cfg.dim))

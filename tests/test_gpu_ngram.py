@@ -1,0 +1,40 @@
+"""The n-gram table in the trainer on CUDA: compiled (the lookup is a graph break), it learns, compiles only
+in the warmup, and stays near the eager run; the Triton row update runs where the reference did."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_train import short_cfg
+from track_1_short import trainer
+
+pytestmark = pytest.mark.gpu
+
+NG = (
+    "model.mudd_gate_lanes=10",
+    "model.ngram.enabled=true",
+    "model.ngram.rows=65536",
+    "model.ngram.dim=128",
+    "model.ngram.sign_pool_rows=1024",
+    "model.ngram.inject_layers=[0,1,3,6]",
+)
+
+
+def test_compiled_run_with_the_table_learns_compiles_in_warmup_and_stays_near_eager(tmp_path):
+    common = ["device=cuda", "check_every=1", "log_every=1", "schedule.lr_floor=1.0", *NG]
+    compiled = trainer.run(
+        short_cfg(str(tmp_path / "c"), *common, "compile=true", "model.ngram.adam_impl=triton")
+    )
+    eager = trainer.run(short_cfg(str(tmp_path / "e"), *common, "compile=false", "warmup=false"))
+    lc, le = compiled.train_losses, eager.train_losses
+    assert lc[1] < lc[0] and lc[2] < lc[1] and lc[3] < lc[2], lc
+    # the bounds of tests/test_gpu_trainer.py: bf16 fusion differences, then the optimizer's response to them
+    for k, (a, b) in enumerate(zip(lc, le)):
+        assert abs(a - b) <= 0.03 * abs(b), (k, a, b)
+    assert compiled.trainer.ngram.opt.events == eager.trainer.ngram.opt.events > 0
+    events = [json.loads(line) for line in (compiled.run_dir / "events.jsonl").read_text().splitlines()]
+    end = next(e for e in events if e["event"] == "end")
+    assert end["timed_loop_graphs"] == 0, end
+    assert any(e.get("ngram_pull_ms", 0) > 0 for e in events if e["event"] == "train")
