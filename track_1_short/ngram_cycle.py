@@ -3,8 +3,8 @@
 A cycle is the run of steps up to and including one table update (optim/ngram_adam.py ``ngram_cadence``). At
 its first step the trainer's batches for every step of the cycle are read ahead (the loader's position after
 each step is kept), their rows are pulled once (model/ngram.py ``NgramTable.pull``), and the steps then take
-their batches from here. After each step the forwards' gradients are folded into the cycle's per-row sums; at
-the update step they go back to their owners and the row-sparse Adam updates the rows.
+their batches from here. After each micro batch's backward its row gradient is folded into the cycle's per-row
+sums (fp32); at the update step they go back to their owners and the row-sparse Adam updates the rows.
 
 Checkpoints: every rank writes its shard, its Adam rows and the cycle's gradient so far into a file of its
 own beside the main checkpoint (``step_NNNNNN.ngram-RRR-of-WWW.pt``, atomic like it), before rank 0 writes
@@ -84,13 +84,18 @@ class NgramCycle:
         cu = fixed_boundaries(batch.cu_seqlens, batch.inputs.numel())
         return self.trainer.model.ngram_indices(batch.inputs, cu)[0]
 
+    def after_backward(self) -> None:
+        """Fold a micro batch's row gradient into the cycle's sums as soon as it exists, so that one micro
+        batch's sink (2T x dim) is alive at a time, not a whole step's."""
+        self.table.fold_sinks()
+
     def after_step(self, step: int, lr_multiplier: float, applied: bool) -> None:
-        """After the step's optimizer update (``applied``: the guards let it through): fold or drop the
-        step's gradient; at the cycle's update step, update the table."""
-        if applied:
-            self.table.fold_sinks()
-        else:
-            self.table.drop_sinks()
+        """After the step's optimizer update (``applied``: the guards let it through); at the cycle's update
+        step, update the table. A skipped step's row gradient is already in the cycle's sums, so the cycle's
+        table gradient is dropped whole: its update then moves no row."""
+        self.table.fold_sinks()
+        if not applied:
+            self.table.per_slot.zero_()
         if not self.opt.due(step):
             return
         rows, grads = self.table.row_grads()

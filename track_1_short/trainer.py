@@ -343,6 +343,8 @@ class Trainer:
             # optimizer's reductions average the ranks.
             scale = self.cfg.loss_sum_ranks / self.world if self.cfg.loss_sum_ranks else micro * accum
             (loss / scale).backward()
+            if self.ngram is not None:
+                self.ngram.after_backward()
             if marks is not None:
                 marks("backward")
             loss_sum += loss.detach().float()
