@@ -175,3 +175,26 @@ def test_a_non_finite_row_gradient_stops_or_skips_the_update(policy):
         cycle.after_step(1, 1.0, applied=True)
         assert cycle.skipped_updates == [1] and cycle.opt.events == 0
     assert torch.equal(cycle.table.shard, before)
+
+
+def test_the_warmup_restores_one_ranks_state_of_a_sharded_table_in_place():
+    """A resumed run on several ranks warms up, then restores its own shard, Adam rows and carried
+    gradient: nothing of the other ranks is needed (or read)."""
+    cfg = NgramConfig(enabled=True, rows=998, dim=8)
+    cycle = _cycle(1, 3, cfg)
+    g = torch.Generator().manual_seed(1)
+    cycle.table.shard.copy_(torch.randn(333, 8, generator=g))
+    cycle.opt.exp_avg_sq.copy_(torch.rand(333, generator=g))
+    cycle.opt.events = 2
+    cycle.table.carry_gradient(torch.tensor([5, 400]), torch.randn(2, 8, generator=g))
+    snap = cycle.snapshot()
+    assert not snap.get("fresh")
+    before = cycle.state()
+    cycle.table.shard.zero_()
+    cycle.opt.exp_avg_sq.zero_()
+    cycle.opt.events = 7
+    cycle.table.carry = None
+    cycle.restore(snap)
+    assert_tree_bitwise_equal(cycle.state(), before, "restored")
+    fresh = _cycle(0, 3, cfg)
+    assert fresh.snapshot() == {"fresh": True}

@@ -169,11 +169,12 @@ class NgramCycle:
             self.table.zero_()
             self.opt.reset()
         else:
-            self.load_states([snap])
+            self.load_states([snap], own=True)
 
     @torch.no_grad()
-    def load_states(self, states: list[dict]) -> None:
-        """This rank's rows from saved shard states covering the table (any world size they were saved at)."""
+    def load_states(self, states: list[dict], own: bool = False) -> None:
+        """This rank's rows from saved shard states covering the table (any world size they were saved at);
+        ``own``: one state, this rank's own (the warmup's snapshot), so no other rank's rows are needed."""
         t, o = self.table, self.opt
         for st in states:
             if st.get("format") != SHARD_FORMAT or st.get("rows") != self.ncfg.rows:
@@ -188,14 +189,14 @@ class NgramCycle:
             if a != end:
                 break
             end = b
-        if end != self.ncfg.rows:
+        if end != self.ncfg.rows and not own:
             raise checkpoint.CheckpointError(
                 f"the n-gram shard files cover rows up to {end} of {self.ncfg.rows} without a gap: a shard "
                 "file is missing; resume from a checkpoint whose files are all present."
             )
         events = {int(st["events"]) for st in states}
         pending = [st for st in states if st["pending_rows"].numel()]
-        if pending and len(states) != t.world:
+        if pending and len(states) != t.world and not own:
             raise checkpoint.CheckpointError(
                 f"the checkpoint was taken inside an n-gram update cycle on {len(states)} ranks; it resumes "
                 f"only on {len(states)} ranks (this run has {t.world}). Resume from a checkpoint at an "
@@ -214,9 +215,15 @@ class NgramCycle:
                 o.last_event[s - lo : e - lo] = st["last_event"][s - a : e - a].to(o.last_event.device)
         history = states[0]["beta2_history"]
         o.events = int(states[0]["events"])
-        o.beta2_history = torch.zeros(max(64, 2 * history.numel()), device=o.beta2_history.device)
+        if o.beta2_history.numel() <= history.numel():  # grown as the update grows it; else loaded in place
+            o.beta2_history = torch.zeros(2 * history.numel(), device=o.beta2_history.device)
+        o.beta2_history.zero_()
         o.beta2_history[: history.numel()] = history.to(o.beta2_history.device)
-        mine = [st for st in states if int(st["first_row"]) == t.first_row and len(states) == t.world]
+        mine = (
+            states
+            if own
+            else [st for st in states if int(st["first_row"]) == t.first_row and len(states) == t.world]
+        )
         t.carry = None
         if mine and mine[0]["pending_rows"].numel():
             t.carry_gradient(mine[0]["pending_rows"], mine[0]["pending_grads"])
