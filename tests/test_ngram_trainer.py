@@ -47,12 +47,14 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("step", [2, 4])
-def test_resume_is_bitwise_inside_and_at_the_end_of_a_cycle(uninterrupted, step, tmp_path):
+@pytest.mark.parametrize("step, warmup", [(2, False), (4, False), (2, True)])
+def test_resume_is_bitwise_inside_and_at_the_end_of_a_cycle(uninterrupted, step, warmup, tmp_path):
+    """``warmup``: the resumed run warms up first (as on CUDA), then restores the loaded table in place."""
     ckpt = uninterrupted["ckpts"] / checkpoint.checkpoint_name(step)
     pending = checkpoint.load_side_file(checkpoint.side_files(ckpt)[0])["pending_rows"]
     assert (pending.numel() > 0) == (step == 2)  # after step 2 the cycle's gradient is pending
-    r = trainer.run(short_cfg(str(tmp_path), *CKPT, *NG, *LONG_CYCLES, f"resume={ckpt}", "run_name=resumed"))
+    resume = (f"resume={ckpt}", "run_name=resumed", f"warmup={str(warmup).lower()}")
+    r = trainer.run(short_cfg(str(tmp_path), *CKPT, *NG, *LONG_CYCLES, *resume))
     assert uninterrupted["table"]["events"] == 1
     assert uninterrupted["table"]["shard"].float().abs().sum() > 0  # the update moved rows
     assert_tree_bitwise_equal(table_state(r.trainer), uninterrupted["table"], "table")
