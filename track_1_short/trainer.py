@@ -36,6 +36,7 @@ from track_1_short import checkpoint, compile_watch, distributed, preflight, run
 from track_1_short.checkpoint import CheckpointError, NonFiniteError
 from track_1_short.config import ConfigError, TrainConfig, accumulation_steps, check_run, to_object
 from track_1_short.guards import Guards
+from track_1_short.model.config import saved_model_config
 from track_1_short.optimizer_time import OptimizerTime
 from track_1_short.perf import cpu_bf16_matmul
 from track_1_short.perf.frozen_gc import freeze_gc, restore_gc
@@ -285,7 +286,7 @@ class Trainer:
         meta, needed = payload.get("meta"), {"model", "total_steps", "train_time_ms", "tokens_seen"}
         if not isinstance(meta, dict) or not needed <= meta.keys():
             raise CheckpointError(f"resume={path}: the checkpoint's 'meta' entry is missing or incomplete.")
-        saved = payload["meta"]["model"]
+        saved = saved_model_config(payload["meta"]["model"])
         current = OmegaConf.to_container(OmegaConf.structured(self.cfg.model))
         if saved != current:
             diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
