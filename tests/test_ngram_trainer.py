@@ -47,12 +47,14 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("step", [2, 4])
-def test_resume_is_bitwise_inside_and_at_the_end_of_a_cycle(uninterrupted, step, tmp_path):
+@pytest.mark.parametrize("step, warmup", [(2, False), (4, False), (2, True)])
+def test_resume_is_bitwise_inside_and_at_the_end_of_a_cycle(uninterrupted, step, warmup, tmp_path):
+    """``warmup``: the resumed run warms up first (as on CUDA), then restores the loaded table in place."""
     ckpt = uninterrupted["ckpts"] / checkpoint.checkpoint_name(step)
     pending = checkpoint.load_side_file(checkpoint.side_files(ckpt)[0])["pending_rows"]
     assert (pending.numel() > 0) == (step == 2)  # after step 2 the cycle's gradient is pending
-    r = trainer.run(short_cfg(str(tmp_path), *CKPT, *NG, *LONG_CYCLES, f"resume={ckpt}", "run_name=resumed"))
+    resume = (f"resume={ckpt}", "run_name=resumed", f"warmup={str(warmup).lower()}")
+    r = trainer.run(short_cfg(str(tmp_path), *CKPT, *NG, *LONG_CYCLES, *resume))
     assert uninterrupted["table"]["events"] == 1
     assert uninterrupted["table"]["shard"].float().abs().sum() > 0  # the update moved rows
     assert_tree_bitwise_equal(table_state(r.trainer), uninterrupted["table"], "table")
@@ -175,3 +177,38 @@ def test_a_non_finite_row_gradient_stops_or_skips_the_update(policy):
         cycle.after_step(1, 1.0, applied=True)
         assert cycle.skipped_updates == [1] and cycle.opt.events == 0
     assert torch.equal(cycle.table.shard, before)
+
+
+def test_the_warmup_restores_one_ranks_state_of_a_sharded_table_in_place():
+    """A resumed run on several ranks warms up, then restores its own shard, Adam rows and carried
+    gradient: nothing of the other ranks is needed (or read)."""
+    cfg = NgramConfig(enabled=True, rows=998, dim=8)
+    cycle = _cycle(1, 3, cfg)
+    g = torch.Generator().manual_seed(1)
+    cycle.table.shard.copy_(torch.randn(333, 8, generator=g))
+    cycle.opt.exp_avg_sq.copy_(torch.rand(333, generator=g))
+    cycle.opt.events = 2
+    cycle.table.carry_gradient(torch.tensor([5, 400]), torch.randn(2, 8, generator=g))
+    snap = cycle.snapshot()
+    assert not snap.get("fresh")
+    before = cycle.state()
+    cycle.table.shard.zero_()
+    cycle.opt.exp_avg_sq.zero_()
+    cycle.opt.events = 7
+    cycle.table.carry = None
+    cycle.restore(snap)
+    assert_tree_bitwise_equal(cycle.state(), before, "restored")
+    fresh = _cycle(0, 3, cfg)
+    assert fresh.snapshot() == {"fresh": True}
+
+
+def test_a_model_config_saved_before_the_table_existed_compares_as_one_without_it():
+    from omegaconf import OmegaConf
+
+    from track_1_short.model.config import ModelConfig, saved_model_config
+
+    current = OmegaConf.to_container(OmegaConf.structured(ModelConfig))
+    old = {k: v for k, v in current.items() if k != "ngram"}
+    assert saved_model_config(old) == current
+    on = {**current, "ngram": {**current["ngram"], "enabled": True}}
+    assert saved_model_config(on) == on  # a saved table config is compared as it is

@@ -3,8 +3,8 @@
 A cycle is the run of steps up to and including one table update (optim/ngram_adam.py ``ngram_cadence``). At
 its first step the trainer's batches for every step of the cycle are read ahead (the loader's position after
 each step is kept), their rows are pulled once (model/ngram.py ``NgramTable.pull``), and the steps then take
-their batches from here. After each step the forwards' gradients are folded into the cycle's per-row sums; at
-the update step they go back to their owners and the row-sparse Adam updates the rows.
+their batches from here. After each micro batch's backward its row gradient is folded into the cycle's per-row
+sums (fp32); at the update step they go back to their owners and the row-sparse Adam updates the rows.
 
 Checkpoints: every rank writes its shard, its Adam rows and the cycle's gradient so far into a file of its
 own beside the main checkpoint (``step_NNNNNN.ngram-RRR-of-WWW.pt``, atomic like it), before rank 0 writes
@@ -84,13 +84,18 @@ class NgramCycle:
         cu = fixed_boundaries(batch.cu_seqlens, batch.inputs.numel())
         return self.trainer.model.ngram_indices(batch.inputs, cu)[0]
 
+    def after_backward(self) -> None:
+        """Fold a micro batch's row gradient into the cycle's sums as soon as it exists, so that one micro
+        batch's sink (2T x dim) is alive at a time, not a whole step's."""
+        self.table.fold_sinks()
+
     def after_step(self, step: int, lr_multiplier: float, applied: bool) -> None:
-        """After the step's optimizer update (``applied``: the guards let it through): fold or drop the
-        step's gradient; at the cycle's update step, update the table."""
-        if applied:
-            self.table.fold_sinks()
-        else:
-            self.table.drop_sinks()
+        """After the step's optimizer update (``applied``: the guards let it through); at the cycle's update
+        step, update the table. A skipped step's row gradient is already in the cycle's sums, so the cycle's
+        table gradient is dropped whole: its update then moves no row."""
+        self.table.fold_sinks()
+        if not applied:
+            self.table.per_slot.zero_()
         if not self.opt.due(step):
             return
         rows, grads = self.table.row_grads()
@@ -164,11 +169,12 @@ class NgramCycle:
             self.table.zero_()
             self.opt.reset()
         else:
-            self.load_states([snap])
+            self.load_states([snap], own=True)
 
     @torch.no_grad()
-    def load_states(self, states: list[dict]) -> None:
-        """This rank's rows from saved shard states covering the table (any world size they were saved at)."""
+    def load_states(self, states: list[dict], own: bool = False) -> None:
+        """This rank's rows from saved shard states covering the table (any world size they were saved at);
+        ``own``: one state, this rank's own (the warmup's snapshot), so no other rank's rows are needed."""
         t, o = self.table, self.opt
         for st in states:
             if st.get("format") != SHARD_FORMAT or st.get("rows") != self.ncfg.rows:
@@ -183,14 +189,14 @@ class NgramCycle:
             if a != end:
                 break
             end = b
-        if end != self.ncfg.rows:
+        if end != self.ncfg.rows and not own:
             raise checkpoint.CheckpointError(
                 f"the n-gram shard files cover rows up to {end} of {self.ncfg.rows} without a gap: a shard "
                 "file is missing; resume from a checkpoint whose files are all present."
             )
         events = {int(st["events"]) for st in states}
         pending = [st for st in states if st["pending_rows"].numel()]
-        if pending and len(states) != t.world:
+        if pending and len(states) != t.world and not own:
             raise checkpoint.CheckpointError(
                 f"the checkpoint was taken inside an n-gram update cycle on {len(states)} ranks; it resumes "
                 f"only on {len(states)} ranks (this run has {t.world}). Resume from a checkpoint at an "
@@ -209,9 +215,15 @@ class NgramCycle:
                 o.last_event[s - lo : e - lo] = st["last_event"][s - a : e - a].to(o.last_event.device)
         history = states[0]["beta2_history"]
         o.events = int(states[0]["events"])
-        o.beta2_history = torch.zeros(max(64, 2 * history.numel()), device=o.beta2_history.device)
+        if o.beta2_history.numel() <= history.numel():  # grown as the update grows it; else loaded in place
+            o.beta2_history = torch.zeros(2 * history.numel(), device=o.beta2_history.device)
+        o.beta2_history.zero_()
         o.beta2_history[: history.numel()] = history.to(o.beta2_history.device)
-        mine = [st for st in states if int(st["first_row"]) == t.first_row and len(states) == t.world]
+        mine = (
+            states
+            if own
+            else [st for st in states if int(st["first_row"]) == t.first_row and len(states) == t.world]
+        )
         t.carry = None
         if mine and mine[0]["pending_rows"].numel():
             t.carry_gradient(mine[0]["pending_rows"], mine[0]["pending_grads"])

@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 
 from track_1_short import checkpoint, data, distributed
 from track_1_short.checkpoint import CheckpointError
+from track_1_short.model.config import saved_model_config
 
 RUN_FILES = (
     "events.jsonl",
@@ -111,7 +112,7 @@ def check_checkpoint(cfg, total_steps: int) -> tuple[Path, dict]:
     elif meta.get("total_steps") not in (None, total_steps):
         differ.append(f"schedule ({meta['total_steps']} steps in the run, {total_steps} here)")
     if "model" in meta:
-        fields = _differs(meta["model"], _container(cfg.model))
+        fields = _differs(saved_model_config(meta["model"]), _container(cfg.model))
         if fields:
             differ.append(f"model (fields {fields})")
     if differ:

@@ -46,6 +46,7 @@ from track_1_short.checkpoint import CheckpointError, NonFiniteError
 from track_1_short.config import ConfigError, TrainConfig, accumulation_steps, check_run, to_object
 from track_1_short.frozen_gc import freeze_gc, restore_gc
 from track_1_short.guards import Guards
+from track_1_short.model.config import saved_model_config
 from track_1_short.optimizer_time import OptimizerTime
 from track_1_short.run_log import RunLog, environment
 
@@ -293,7 +294,7 @@ class Trainer:
         meta, needed = payload.get("meta"), {"model", "total_steps", "train_time_ms", "tokens_seen"}
         if not isinstance(meta, dict) or not needed <= meta.keys():
             raise CheckpointError(f"resume={path}: the checkpoint's 'meta' entry is missing or incomplete.")
-        saved = payload["meta"]["model"]
+        saved = saved_model_config(payload["meta"]["model"])
         current = OmegaConf.to_container(OmegaConf.structured(self.cfg.model))
         if saved != current:
             diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
@@ -351,6 +352,8 @@ class Trainer:
             # optimizer's reductions average the ranks.
             scale = self.cfg.loss_sum_ranks / self.world if self.cfg.loss_sum_ranks else micro * accum
             (loss / scale).backward()
+            if self.ngram is not None:
+                self.ngram.after_backward()
             if marks is not None:
                 marks("backward")
             loss_sum += loss.detach().float()

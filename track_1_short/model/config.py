@@ -179,6 +179,16 @@ class NgramConfig:
 NGRAM_ADAM_IMPLS = ("reference", "triton")
 
 
+def saved_model_config(saved: dict) -> dict:
+    """A checkpoint's model config as this version compares it: a config saved before ``ngram`` existed had
+    no table, i.e. the default (disabled) ngram block."""
+    if isinstance(saved, dict) and "ngram" not in saved:
+        from omegaconf import OmegaConf
+
+        return {**saved, "ngram": OmegaConf.to_container(OmegaConf.structured(NgramConfig))}
+    return saved
+
+
 @dataclass
 class ModelConfig:
     """Every size, topology choice and constant of the GPT; defaults are the record model (model=track1).

@@ -221,10 +221,6 @@ class NgramTable:
                 self.per_slot.index_add_(0, slots, sink.grad.float())
         self.sinks = []
 
-    def drop_sinks(self) -> None:
-        """Forget the gradients of the forwards since the last fold (a step whose update is skipped)."""
-        self.sinks = []
-
     @torch.no_grad()
     def pending(self) -> tuple[Tensor, Tensor]:
         """(row ids, fp32 sums) of the live cycle's gradient so far (or of a carried one); empty if none."""
