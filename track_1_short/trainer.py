@@ -169,6 +169,7 @@ class Trainer:
             self.model.work_order(),
             cfg.optim,
         )
+        self.model.refresh_fp8()  # the FP8 weight copies (model.fp8) of the built weights
         self.forward = self.model
         self._window_tensors: dict[tuple[int, int], torch.Tensor] = {}
         self.mtp_width = max(len(st.mtp_weights) for st in cfg.schedule.stages)
@@ -265,6 +266,7 @@ class Trainer:
         # load_state_dict copies in place and runs the model's hooks that refresh its host-side mirrors.
         self.model.load_state_dict(payload["buffers"], strict=False)
         checkpoint.restore_rng(payload["rng"])
+        self.model.rearm_fp8()  # FP8 copies of the loaded weights, delayed scales from their start
         # Adam's accumulated gradients are part of the optimizer's state and were just loaded with it; clear
         # only the others (ANVIL's are cleared every step, so this is a guard, not a reset of saved state).
         for label, p in self.opt.params.items():
@@ -337,6 +339,7 @@ class Trainer:
         if self.guards.grads_ok(step):  # NaN/inf gradient: stop, or skip the update on every rank
             self.opt_time.start()
             self.opt.step(plan.do_adam)
+            self.model.refresh_fp8()  # the banks change only here: one requantise per optimizer update
             self.opt_time.stop()
             self.guards.after_update(step)  # replicas compared every guards.checksum_every steps
         self.tokens_seen += plan.batch_tokens
@@ -482,6 +485,9 @@ class Trainer:
                         optimizer_ms=self.opt_time.take_ms(),  # after the read-back's sync: no wait
                         **self._memory(),
                     )
+                    if self.model._fp8 is not None and distributed.is_main():
+                        for line in self.model._fp8.clip_report():  # the device is idle here: no wait
+                            self.log.text(line)
                     wall = now - t_start
                     bar.set_postfix(
                         loss=f"{step_loss:.4f}",
