@@ -48,6 +48,10 @@ from track_1_short.model.config import FP8Config
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+# Saturation changes a value only beyond the midpoint between the largest number and the next one the format
+# would have (480 and 61440): below it round-to-nearest gives the largest number anyway, so an exact scale
+# (amax / 448, whose fp32 division can land a hair above 448) never counts as clipping.
+CLIP_AT = {E4M3: 464.0, E5M2: 59392.0}
 
 MLP_X_SCALE = 2.0**-4
 MLP_GRAD_SCALE = 2.0**-6
@@ -70,11 +74,11 @@ SITE = {name: i for i, name in enumerate(SITES)}
 
 def quantize(v: Tensor, scale: Tensor | float, fmt: torch.dtype, clips: Tensor | None = None, site: int = 0):
     """fmt's value of v / scale (in fp32), saturated to fmt's range. With ``clips`` (int64 [2, len(SITES)]),
-    the elements that saturated and the elements seen are added to column ``site``."""
+    the elements that saturated (beyond CLIP_AT) and the elements seen are added to column ``site``."""
     lim = FP8_MAX[fmt]
     scaled = v.float() / scale
     if clips is not None:
-        clips[0, site].add_((scaled.abs() > lim).sum())
+        clips[0, site].add_((scaled.abs() > CLIP_AT[fmt]).sum())
         clips[1, site].add_(scaled.numel())
     return scaled.clamp(-lim, lim).to(fmt)
 
@@ -324,7 +328,7 @@ class FP8State:
         m["w_amax_prev"] = amax
         scaled = bank.float() / m["w_s"][:, :, None, None]
         lim = FP8_MAX[E4M3]
-        clips[0, SITE["mlp.w"]].add_((scaled.abs() > lim).sum())
+        clips[0, SITE["mlp.w"]].add_((scaled.abs() > CLIP_AT[E4M3]).sum())
         clips[1, SITE["mlp.w"]].add_(scaled.numel())
         m["row"].copy_(scaled.clamp(-lim, lim).to(E4M3))
         m["t"].copy_(m["row"].transpose(-1, -2))
