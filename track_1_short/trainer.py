@@ -323,15 +323,17 @@ class Trainer:
         padded = list(plan.mtp_weights) + [0.0] * (self.mtp_width - len(plan.mtp_weights))
         mtp = torch.tensor(padded, dtype=torch.float32).to(self.device, non_blocking=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        # Per-token mean over this rank's step, or (loss_sum_ranks N) the sum over batch/N tokens; the
+        # optimizer's reductions average the ranks.
+        scale = self.cfg.loss_sum_ranks / self.world if self.cfg.loss_sum_ranks else micro * accum
+        if self.model._fp8 is not None:
+            self.model._fp8.set_loss_divisor(scale)  # FP8 gradient scales follow the loss's size
         for _ in range(accum):
             b = self.loader.next_batch(micro, plan.max_doc_len)
             cu = fixed_boundaries(b.cu_seqlens, micro)
             loss = self.forward(b.inputs, b.targets, cu, windows, mtp)
             if marks is not None:
                 marks("forward")
-            # Per-token mean over this rank's step, or (loss_sum_ranks N) the sum over batch/N tokens; the
-            # optimizer's reductions average the ranks.
-            scale = self.cfg.loss_sum_ranks / self.world if self.cfg.loss_sum_ranks else micro * accum
             (loss / scale).backward()
             if marks is not None:
                 marks("backward")

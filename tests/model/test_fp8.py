@@ -456,6 +456,10 @@ def test_the_trainer_refreshes_the_copies_once_per_optimizer_update(tmp_path):
         w = torch.cat((qk_w, v_w))
         assert torch.equal(st.qkv[layer][0], _q(w, w.float().abs().amax() / 448, E4M3))
         assert st.clips[1, SITE["mlp.grad"]] > 0  # the backward counted what it quantised
+        # the loss is a per-token mean over the step's 512 tokens: the gradient scales are upstream's / 512
+        assert st.loss_divisor == 512
+        assert st.consts["mlp_g"] == torch.tensor(2.0**-6 / 512)
+        assert st.consts["qkv_g"] == torch.tensor((1 / 448) / 512)
 
 
 # -- GPU: torch._scaled_mm against the emulation -------------------------------------------------------------

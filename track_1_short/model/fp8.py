@@ -11,10 +11,12 @@ FP8 copies in both layouts cuBLAS wants (:meth:`FP8State.refresh`), not once per
 
 Formats and scales (a scale s means the FP8 number holds v / s, saturated to the format's range):
   MLP      x e4m3, static 2^-4 (a normed row has |x| <= sqrt(768) < 448 * 2^-4); incoming gradient e5m2,
-           static 2^-6; weights e4m3, per bank slot: exact amax / 448 for the first EXACT_SCALE_REFRESHES
-           refreshes, then the previous refresh's amax * 1.12 / 448 (weights move well under 12% a step);
-           relu(pre)^2 e4m3 and its gradient dpre e5m2 with delayed scales: the largest |value| since the
-           last refresh times 1.03 / 448 and 1.25 / 57344 (initially 1 and 2^-6).
+           static 2^-6 (every gradient scale is upstream's for the backward of the loss summed over a rank's
+           tokens, divided by the trainer's loss divisor: FP8State.set_loss_divisor); weights e4m3, per
+           bank slot: exact amax / 448 for the first EXACT_SCALE_REFRESHES refreshes, then the previous
+           refresh's amax * 1.12 / 448 (weights move well under 12% a step); relu(pre)^2 e4m3 and its
+           gradient dpre e5m2 with delayed scales: the largest |value| since the last refresh times
+           1.03 / 448 and 1.25 / 57344 (initially 1 and 2^-6).
   QKV      x e4m3, static 8/448 (entries beyond 8 saturate); gradient e5m2, static 1/448; weights e4m3,
            exact amax / 448 per layer at every refresh. The layer's QKV gain (sa_lambda) rides in the
            weight's GEMM scale.
@@ -230,6 +232,7 @@ class FP8State:
         self.refreshes = 0  # calls of refresh() since construction or rearm()
         self.ready = False
         self.device: torch.device | None = None
+        self.loss_divisor = 1.0
 
     def _allocate(self, device: torch.device) -> None:
         f32 = dict(dtype=torch.float32, device=device)
@@ -239,9 +242,9 @@ class FP8State:
             name: torch.tensor(v, **f32)
             for name, v in (
                 ("mlp_x", MLP_X_SCALE),
-                ("mlp_g", MLP_GRAD_SCALE),
+                ("mlp_g", MLP_GRAD_SCALE / self.loss_divisor),
                 ("qkv_x", QKV_X_SCALE),
-                ("qkv_g", QKV_GRAD_SCALE),
+                ("qkv_g", QKV_GRAD_SCALE / self.loss_divisor),
             )
         }
         self.mlp: dict[str, Tensor] = {}
@@ -256,6 +259,22 @@ class FP8State:
         return self.device is None or self.device.type != "cuda"
 
     @torch.no_grad()
+    def set_loss_divisor(self, divisor: float) -> None:
+        """The static gradient scales for a loss that is backpropagated divided by ``divisor``.
+
+        Upstream's gradient scales are for its per-rank backward of the summed loss (divisor 1: the record
+        preset, loss_sum_ranks = world size); a run that divides its loss by the tokens it sums over has
+        gradients that much smaller, and the same scales would put them among e5m2's subnormals. The trainer
+        calls this before each step's forwards (outside any graph: two fills when the divisor changes)."""
+        divisor = float(divisor)
+        if divisor == self.loss_divisor:
+            return
+        self.loss_divisor = divisor
+        if self.device is not None:
+            self.consts["mlp_g"].fill_(MLP_GRAD_SCALE / divisor)
+            self.consts["qkv_g"].fill_(QKV_GRAD_SCALE / divisor)
+
+    @torch.no_grad()
     def rearm(self) -> None:
         """After the weights were reset (the post-warmup restore): exact weight scales again, delayed
         activation scales back to their initial values, counters cleared."""
@@ -266,7 +285,7 @@ class FP8State:
             self.mlp["post_amax"].zero_()
             self.mlp["dpre_amax"].zero_()
             self.mlp["post_s"].fill_(POST_SCALE_INIT)
-            self.mlp["dpre_s"].fill_(DPRE_SCALE_INIT)
+            self.mlp["dpre_s"].fill_(DPRE_SCALE_INIT / self.loss_divisor)
             self.mlp.pop("w_amax_prev", None)
         self.clips.zero_()
 
@@ -317,7 +336,7 @@ class FP8State:
             m["t"] = torch.empty(bank.transpose(-1, -2).shape, dtype=E4M3, device=bank.device)
             m["w_s"] = torch.ones(slots, 2, **f32)
             m["post_s"] = torch.full((slots,), POST_SCALE_INIT, **f32)
-            m["dpre_s"] = torch.full((slots,), DPRE_SCALE_INIT, **f32)
+            m["dpre_s"] = torch.full((slots,), DPRE_SCALE_INIT / self.loss_divisor, **f32)
             m["post_amax"] = torch.zeros(slots, **f32)
             m["dpre_amax"] = torch.zeros(slots, **f32)
         amax = bank.abs().amax(dim=(2, 3)).float()  # [slots, 2]
