@@ -96,6 +96,11 @@ def fp8_mm(
     """
     if emulate:
         return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
+    if a.size(1) % 16 or b.size(1) % 16:
+        raise ValueError(
+            f"an FP8 GEMM [{a.size(0)}, {a.size(1)}] @ [{b.size(0)}, {b.size(1)}] needs its inner and output "
+            "widths divisible by 16 (cuBLAS); use micro batches and widths that are, or model.fp8 off."
+        )
     return torch._scaled_mm(
         a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum
     )
