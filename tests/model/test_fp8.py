@@ -63,7 +63,7 @@ def mlp_bounds(x, w1, w2, g, q):
     out_e = gemm_err(post, epost, w2, ew2, BF16_U)
     dw2_e = gemm_err(post.T, epost.T, g, eg, BF16_U)
     dpost = g @ w2.T
-    edpost = gemm_err(g, eg, w2.T, ew2.T, BF16_U)  # fp32 on the FP8 path, bf16 on the reference
+    edpost = gemm_err(g, eg, w2.T, ew2.T, BF16_U)
     dpre = 2 * dpost * r
     # |2 d' r' - 2 d r| <= 2 (|d' - d| (|r| + e_r) + |d| e_r), r = relu(pre) moves by at most epre;
     # the bf16 path rounds 2 h dpost twice
@@ -248,8 +248,8 @@ def test_emulated_fp8_mlp_equals_a_plain_restatement_bitwise():
     ref_out = _mm(pq, w2q.t().contiguous().t(), post_s, w2_s, torch.bfloat16)
     gq = _q(g, gs, E5M2)
     ref_dw2 = _mm(pq.t().contiguous(), gq.t().contiguous().t(), post_s, gs, torch.bfloat16)
-    dpost = _mm(gq, w2q.t(), gs, w2_s, torch.float32)
-    dpre = 2.0 * dpost * F.relu(pre).float()
+    dpost = _mm(gq, w2q.t(), gs, w2_s, torch.bfloat16)
+    dpre = 2.0 * dpost.float() * F.relu(pre).float()
     dq = _q(dpre, dpre_s, E5M2)
     ref_dx = _mm(dq, w1q.t().contiguous().t(), dpre_s, w1_s, torch.bfloat16)
     ref_dw1 = _mm(dq.t().contiguous(), xq.t().contiguous().t(), dpre_s, xs, torch.bfloat16)

@@ -163,8 +163,10 @@ class FP8ReLU2MLP(torch.autograd.Function):
         em, wdt = ctx.emulate, ctx.wdtype
         gq = quantize(g, g_s, E5M2, clips, SITE["mlp.grad"])
         dw2 = fp8_mm(_t(pq), _t(gq).t(), post_s, g_s, wdt, False, em)  # post^T g: [hidden, D]
-        dpost = fp8_mm(gq, w2_row.t(), g_s, w2_s, torch.float32, False, em)  # g W2^T: [T, hidden]
-        dpre = 2.0 * dpost * F.relu(pre).float()
+        # g W2^T [T, hidden] in g's dtype: a [T, hidden] fp32 tensor would double this pass's traffic, and
+        # upstream's kernel rounds dpre to bf16 anyway
+        dpost = fp8_mm(gq, w2_row.t(), g_s, w2_s, g.dtype, False, em)
+        dpre = 2.0 * dpost.float() * F.relu(pre).float()
         dpre_amax.copy_(torch.maximum(dpre_amax, dpre.abs().amax()))
         dq = quantize(dpre, dpre_s, E5M2, clips, SITE["mlp.dpre"])
         dx = fp8_mm(dq, w1_t.t(), dpre_s, w1_s, g.dtype, False, em)  # dpre W1: [T, D]
