@@ -240,6 +240,7 @@ class FP8State:
         self.ready = False
         self.device: torch.device | None = None
         self.loss_divisor = 1.0
+        self._w_amax_prev: Tensor | None = None
 
     def _allocate(self, device: torch.device) -> None:
         f32 = dict(dtype=torch.float32, device=device)
@@ -293,7 +294,7 @@ class FP8State:
             self.mlp["dpre_amax"].zero_()
             self.mlp["post_s"].fill_(POST_SCALE_INIT)
             self.mlp["dpre_s"].fill_(DPRE_SCALE_INIT / self.loss_divisor)
-            self.mlp.pop("w_amax_prev", None)
+            self._w_amax_prev = None
         self.clips.zero_()
 
     @torch.no_grad()
@@ -347,11 +348,12 @@ class FP8State:
             m["post_amax"] = torch.zeros(slots, **f32)
             m["dpre_amax"] = torch.zeros(slots, **f32)
         amax = bank.abs().amax(dim=(2, 3)).float()  # [slots, 2]
-        if self.refreshes < EXACT_SCALE_REFRESHES or "w_amax_prev" not in m:
+        if self.refreshes < EXACT_SCALE_REFRESHES or self._w_amax_prev is None:
             m["w_s"].copy_(amax.clamp(min=1e-12) / FP8_MAX[E4M3])
         else:  # one refresh late: the weights moved by one update since that amax was taken
-            m["w_s"].copy_(m["w_amax_prev"].clamp(min=1e-12) * (WEIGHT_SCALE_HEADROOM / FP8_MAX[E4M3]))
-        m["w_amax_prev"] = amax
+            m["w_s"].copy_(self._w_amax_prev.clamp(min=1e-12) * (WEIGHT_SCALE_HEADROOM / FP8_MAX[E4M3]))
+        # Kept outside self.mlp: the compiled forward reads that dict, and its keys must never change.
+        self._w_amax_prev = amax
         scaled = bank.float() / m["w_s"][:, :, None, None]
         lim = FP8_MAX[E4M3]
         clips[0, SITE["mlp.w"]].add_((scaled.abs() > CLIP_AT[E4M3]).sum())
