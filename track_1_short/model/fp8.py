@@ -86,23 +86,32 @@ def quantize(v: Tensor, scale: Tensor | float, fmt: torch.dtype, clips: Tensor |
 
 
 def fp8_mm(
-    a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype, fast_accum: bool, emulate: bool
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    out_dtype,
+    fast_accum: bool,
+    emulate: bool,
+    out: Tensor | None = None,
 ):
     """(a * scale_a) @ (b * scale_b) in out_dtype: a [M, K] FP8 row-major, b [K, N] FP8 column-major (b.T
-    contiguous, the layout cuBLAS's FP8 GEMM wants), scales fp32 0-D tensors.
+    contiguous, the layout cuBLAS's FP8 GEMM wants), scales fp32 0-D tensors; written into ``out`` if given.
 
     ``emulate``: dequantise and multiply in fp32 (any device; the CPU's path and the GPU's reference).
     Otherwise ``torch._scaled_mm``, which scales the fp32 accumulator once and rounds to out_dtype.
     """
     if emulate:
-        return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
+        y = ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
+        return y if out is None else out.copy_(y)
     if a.size(1) % 16 or b.size(1) % 16:
         raise ValueError(
             f"an FP8 GEMM [{a.size(0)}, {a.size(1)}] @ [{b.size(0)}, {b.size(1)}] needs its inner and output "
             "widths divisible by 16 (cuBLAS); use micro batches and widths that are, or model.fp8 off."
         )
+    kw = {} if out is None else {"out": out}
     return torch._scaled_mm(
-        a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum
+        a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum, **kw
     )
 
 
@@ -217,10 +226,8 @@ def fp8_logits(xq: Tensor, w_col: Tensor, out: Tensor | None = None, emulate: bo
     x_s = torch.full((), LM_X_SCALE, dtype=torch.float32, device=xq.device)
     w_s = torch.full((), LM_W_SCALE, dtype=torch.float32, device=xq.device)
     dt = out.dtype if out is not None else torch.bfloat16
-    y = fp8_mm(xq, w_col.t(), x_s, w_s, dt, True, emulate)
-    if out is None:
-        return y
-    return out.copy_(y)
+    # Straight into ``out`` (the loss's logit buffer): a copy would be another pass over [rows, V].
+    return fp8_mm(xq, w_col.t(), x_s, w_s, dt, True, emulate, out=out)
 
 
 # -- the weight copies, scales and counters ----------------------------------------------------------------
