@@ -30,7 +30,7 @@ Invariants (tests/model/test_fp8.py): the emulation (quantise, dequantise, fp32 
 agrees with the bf16 path within the bound e4m3/e5m2 rounding allows, propagated GEMM by GEMM; it equals a
 plain restatement of the formats and scales bitwise; switches off leave the model's bits unchanged; the
 weight copies are refreshed once per optimizer update; on CUDA, ``_scaled_mm`` agrees with the emulation
-within its accumulation and output rounding. Saturation is counted per operand (:attr:`FP8State.clips`)
+within its accumulation and output rounding. Saturation is counted per operand (FP8State.clip_counts)
 and read only at log steps, so the timed loop never waits on it.
 
 Provenance: upstream modded-nanogpt record #92 ("ANVIL2"; perf/kernels/mlp.py, cross_entropy.py,
@@ -252,7 +252,11 @@ class FP8State:
     def _allocate(self, device: torch.device) -> None:
         f32 = dict(dtype=torch.float32, device=device)
         self.device = device
-        self.clips = torch.zeros(2, len(SITES), dtype=torch.int64, device=device)
+        # Counters and amaxes that a backward writes are separate tensors per MLP slot and per QKV layer,
+        # never views of one base: a compiled backward checks the version of each tensor it saved, so a
+        # write by another layer's graph (the model split at a graph break) must not touch it.
+        self.clips = torch.zeros(2, len(SITES), dtype=torch.int64, device=device)  # refresh, lm_head x
+        self.owner_clips: dict[tuple[str, int], Tensor] = {}
         self.consts = {
             name: torch.tensor(v, **f32)
             for name, v in (
@@ -297,12 +301,11 @@ class FP8State:
         if self.device is None:
             return
         if self.mlp:
-            self.mlp["post_amax"].zero_()
-            self.mlp["dpre_amax"].zero_()
+            torch._foreach_zero_(self.mlp["post_amax"] + self.mlp["dpre_amax"])
             self.mlp["post_s"].fill_(POST_SCALE_INIT)
             self.mlp["dpre_s"].fill_(DPRE_SCALE_INIT / self.loss_divisor)
             self._w_amax_prev = None
-        self.clips.zero_()
+        torch._foreach_zero_([self.clips, *self.owner_clips.values()])
 
     @torch.no_grad()
     def refresh(self, mlp_bank: Tensor | None, qkv: dict[int, Tensor] | None, lm_head: Tensor | None) -> None:
@@ -333,6 +336,7 @@ class FP8State:
                     self.qkv[layer][2].copy_(s)
                 else:
                     self.qkv[layer] = (row, _t(row), s)
+                    self.owner_clips[("qkv", layer)] = torch.zeros_like(self.clips)
         if lm_head is not None:
             col = quantize(lm_head.t(), self.lm_w_scale, E4M3, clips, SITE["lm_head.w"])
             if self.lm_col is None:
@@ -352,8 +356,10 @@ class FP8State:
             m["w_s"] = torch.ones(slots, 2, **f32)
             m["post_s"] = torch.full((slots,), POST_SCALE_INIT, **f32)
             m["dpre_s"] = torch.full((slots,), DPRE_SCALE_INIT / self.loss_divisor, **f32)
-            m["post_amax"] = torch.zeros(slots, **f32)
-            m["dpre_amax"] = torch.zeros(slots, **f32)
+            m["post_amax"] = [torch.zeros((), **f32) for _ in range(slots)]
+            for slot in range(slots):
+                self.owner_clips[("mlp", slot)] = torch.zeros_like(clips)
+            m["dpre_amax"] = [torch.zeros((), **f32) for _ in range(slots)]
         amax = bank.abs().amax(dim=(2, 3)).float()  # [slots, 2]
         if self.refreshes < EXACT_SCALE_REFRESHES or self._w_amax_prev is None:
             m["w_s"].copy_(amax.clamp(min=1e-12) / FP8_MAX[E4M3])
@@ -390,7 +396,7 @@ class FP8State:
             m["dpre_amax"][slot],
             c["mlp_x"],
             c["mlp_g"],
-            self.clips,
+            self._owner_clips("mlp", slot),
             self.emulate,
         )
 
@@ -398,6 +404,7 @@ class FP8State:
         """The QKV projection of ``layer`` as a function (x [T, D], w [N, D], gain) -> [T, N]."""
         row, t, s = self.qkv[layer]
         c = self.consts
+        clips = self._owner_clips("qkv", layer)
 
         def project(x: Tensor, w: Tensor, gain: Tensor) -> Tensor:
             return FP8Linear.apply(
@@ -409,7 +416,7 @@ class FP8State:
                 s,
                 c["qkv_x"],
                 c["qkv_g"],
-                self.clips,
+                clips,
                 SITE["qkv.x"],
                 SITE["qkv.grad"],
                 self.emulate,
@@ -423,13 +430,21 @@ class FP8State:
 
     # -- saturation ----------------------------------------------------------------------------------------
 
+    def _owner_clips(self, kind: str, index: int) -> Tensor:
+        return self.owner_clips[(kind, index)]  # made by refresh(), outside any compiled graph
+
+    def clip_counts(self) -> Tensor:
+        """int64 [2, len(SITES)]: elements saturated (row 0) and seen (row 1) per site since the last
+        take_clips, over every counter."""
+        return torch.stack([self.clips, *self.owner_clips.values()]).sum(0)
+
     def take_clips(self) -> dict[str, tuple[int, int]]:
         """site -> (saturated, seen) since the last call, and clear: one device read (call it where the
         host waits on the device anyway, e.g. a log step)."""
         if self.device is None:
             return {}
-        counts = self.clips.tolist()
-        self.clips.zero_()
+        counts = self.clip_counts().tolist()
+        torch._foreach_zero_([self.clips, *self.owner_clips.values()])
         return {name: (counts[0][i], counts[1][i]) for i, name in enumerate(SITES) if counts[1][i]}
 
     def clip_report(self) -> list[str]:
@@ -445,9 +460,9 @@ class FP8State:
         return lines
 
 
-def _delayed_scale_(amax: Tensor, scale: Tensor, gain: float, floor: float) -> None:
-    """scale = amax since the last refresh * gain (at least ``floor``); a slot that saw nothing (amax 0:
-    no training forward yet, or a frozen slot) keeps its scale. Then amax restarts at 0."""
-    a = torch.nan_to_num(amax, nan=0.0, posinf=0.0, neginf=0.0).clamp(max=1e12)
+def _delayed_scale_(amax: list[Tensor], scale: Tensor, gain: float, floor: float) -> None:
+    """scale[i] = amax[i] since the last refresh * gain (at least ``floor``); a slot that saw nothing (amax
+    0: no training forward yet, or a frozen slot) keeps its scale. Then every amax restarts at 0."""
+    a = torch.nan_to_num(torch.stack(amax), nan=0.0, posinf=0.0, neginf=0.0).clamp(max=1e12)
     scale.copy_(torch.where(a > 0, (a * gain).clamp(min=floor), scale))
-    amax.zero_()
+    torch._foreach_zero_(amax)
