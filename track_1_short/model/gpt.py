@@ -262,6 +262,7 @@ class GPT(nn.Module):
     # -- FP8 weight copies --
 
     @torch.compiler.disable
+    @torch.no_grad()
     def refresh_fp8(self) -> None:
         """Requantise the FP8 weight copies (model.fp8) from the weights: after every optimizer update, and
         after the weights were built or loaded. A no-op with every FP8 path off."""
