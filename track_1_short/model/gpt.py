@@ -25,8 +25,11 @@ sharded table, gated per token, enters the residual's first ngram.dim channels b
 cache[0]), after the sublayer of each ngram.inject_layers layer, and at the MUDD layer through coefficient 11;
 off, its gate lanes and coefficient 11 stay in the shapes, unused.
 
-Out of scope (upstream has them, this model does not): FP8 projections and loss, the sampled softmax,
-canonical-token masking at validation, the prefix-token auxiliary loss, end-of-run tail averaging.
+FP8 (``model.fp8.*``, model/fp8.py): the MLP and QKV projections forward and backward and the training
+loss's logits GEMM; evaluation forwards stay bf16.
+
+Out of scope (upstream has them, this model does not): the sampled softmax, canonical-token masking at
+validation, the prefix-token auxiliary loss, end-of-run tail averaging.
 Deliberate differences: the smear gate and the partial key offset stop at document starts (upstream lets them
 read the previous document's last token), so no information crosses a document boundary;
 ``cross_document_lookback=true`` gives upstream's behaviour instead (on the CPU smoke record, seed 1: val
@@ -59,6 +62,7 @@ from track_1_short.model.config import (
     Topology,
     _mudd_sources,
 )
+from track_1_short.model.fp8 import FP8State
 from track_1_short.model.layers import (
     document_ids,
     document_starts,
@@ -165,6 +169,8 @@ class GPT(nn.Module):
         self._rope_windows = [-1, -1]  # host mirror of rope_windows (no device sync per forward)
         self._embed_split = False
         self.register_load_state_dict_post_hook(GPT._sync_host_state)
+        # FP8 weight copies and scales: derived state outside the state dict (model/fp8.py).
+        self._fp8 = FP8State(cfg.fp8) if cfg.fp8.any else None
 
         self.label_parameters()
         if build != "meta":
@@ -304,6 +310,36 @@ class GPT(nn.Module):
         """
         self.embed_is_split.fill_(True)
         self._embed_split = True
+
+    # -- FP8 weight copies --
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def refresh_fp8(self) -> None:
+        """Requantise the FP8 weight copies (model.fp8) from the weights: after every optimizer update, and
+        after the weights were built or loaded. A no-op with every FP8 path off."""
+        f = self._fp8
+        if f is None:
+            return
+        cfg = self.cfg.fp8
+        qkv = None
+        if cfg.qkv:
+            qkv = {layer: torch.cat((qk_w, v_w)) for layer, (qk_w, v_w, _) in self._attn_weights().items()}
+        f.refresh(self.mlp_bank if cfg.mlp else None, qkv, self.lm_head if cfg.lm_head else None)
+
+    def rearm_fp8(self) -> None:
+        """After the weights were reset (the warmup's restore): delayed scales restart, then refresh."""
+        if self._fp8 is not None:
+            self._fp8.rearm()
+            self.refresh_fp8()
+
+    def _fp8_now(self) -> FP8State | None:
+        """The FP8 state when this forward trains with FP8 (evaluation forwards never do)."""
+        if self._fp8 is None or not (self.training and torch.is_grad_enabled()):
+            return None
+        if not self._fp8.ready:
+            self.refresh_fp8()
+        return self._fp8
 
     # -- param table and orders --
 
@@ -488,7 +524,7 @@ class GPT(nn.Module):
         if self.training and torch.is_grad_enabled() and not isinstance(windows, Tensor):
             self.follow_windows(windows)  # a training step, not an evaluation (a tensor: the caller's job)
         hidden = self.hidden(inputs, cu_seqlens, windows)
-        cfg = self.cfg
+        cfg, fp8 = self.cfg, self._fp8_now()
         # An evaluation forward scores its logits with upstream's validation numerics (softcap in the compute
         # dtype, then fp32 CE); a training forward with the chunked fused loss (fp32 softcap).
         evaluation = not (self.training and torch.is_grad_enabled())
@@ -496,7 +532,10 @@ class GPT(nn.Module):
         args = (cfg.logit_cap, cfg.logit_shift, cfg.logit_temperature, cfg.loss_chunk_rows)
         if evaluation:
             return loss(hidden, self.lm_head, targets, mtp, *args)
-        return loss(hidden, self.lm_head, targets, mtp, *args, cfg.loss_impl)
+        lm_fp8 = (
+            (fp8.lm_head_input(hidden), fp8.lm_col) if fp8 is not None and cfg.fp8.lm_head else (None, None)
+        )
+        return loss(hidden, self.lm_head, targets, mtp, *args, cfg.loss_impl, *lm_fp8)
 
     @torch.no_grad()
     def val_loss_sum(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, windows) -> Tensor:
@@ -597,6 +636,15 @@ class GPT(nn.Module):
         late_in = None  # norm(cache[late_input_layer]), shared by every later attention layer
         attn_w = self._attn_weights()
         mlp = self.mlp_bank.unbind(0)
+        fp8 = self._fp8_now()
+        fp8_mlp = fp8 if fp8 is not None and cfg.fp8.mlp else None
+        fp8_qkv = fp8 if fp8 is not None and cfg.fp8.qkv else None
+
+        def mlp_out(inp: Tensor, slot: int) -> Tensor:
+            if fp8_mlp is not None:
+                return fp8_mlp.mlp_forward(inp, slot, mlp[slot][0], mlp[slot][1])
+            return relu2_mlp(inp, mlp[slot][0], mlp[slot][1])
+
         mlp_in = x
         for i in range(L):
             mu = None
@@ -653,6 +701,7 @@ class GPT(nn.Module):
                     aux_v=aux_v,
                     xsa_alpha=lanes["xsa"].get(i),
                     gate=lanes["attn_gate"].get(i),
+                    qkv_fp8=fp8_qkv.qkv_forward(i) if fp8_qkv is not None else None,
                 )
                 if mu is not None:
                     x = mu[:, 8:9] * x + mu[:, 9:10] * out + mu[:, 10:11] * cache[0]
@@ -669,11 +718,11 @@ class GPT(nn.Module):
                 x = x * resid[i, 1]
             else:
                 mlp_in = norm(x)
-                out = relu2_mlp(mlp_in, mlp[i][0], mlp[i][1])
+                out = mlp_out(mlp_in, i)
                 post_mlp = mu[:, 13:14] if mu is not None else post[i, 1]
                 if i == cfg.parallel_mlp_layer:
                     p = L  # the parallel MLP's bank slot
-                    out = out + relu2_mlp(mlp_in, mlp[p][0], mlp[p][1])
+                    out = out + mlp_out(mlp_in, p)
                 x = (mu[:, 12:13] if mu is not None else resid[i, 1]) * x + post_mlp * out
             if i in topo.cache_layers:
                 cache[i] = x

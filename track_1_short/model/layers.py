@@ -215,6 +215,8 @@ def _softcapped_ce_sum(
     chunk_rows: int,
     need_grad: bool,
     impl: str,
+    x_fp8: Tensor | None = None,
+    weight_fp8: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss fp32 0-D, dloss/dx like x, dloss/dweight like weight); the gradients are empty without need_grad.
 
@@ -226,7 +228,7 @@ def _softcapped_ce_sum(
 
     impl "reference": eager torch ops over fp32 [rows, V] buffers; "fused": one Triton kernel per chunk
     between the same GEMMs (track_1_short/perf/kernels/softcapped_ce.py, which says what it saves and how
-    closely it agrees).
+    closely it agrees). x_fp8, weight_fp8: the logits GEMM in FP8 from these copies (model/fp8.py).
     """
     # x [T, D] (compute dtype), weight [D, V], targets int64 [T], mtp_weights fp32 [K].
     num_tokens, k = x.size(0), mtp_weights.numel()
@@ -258,7 +260,12 @@ def _softcapped_ce_sum(
         xc = x[lo:hi]
         # The plain logits: the blocks add the shift and divide by the temperature in fp32 (an addmm with a
         # broadcast bias would first write the bias over the whole [rows, V] output, then read it back).
-        logits = torch.mm(xc, weight_c, out=logit_buf[: hi - lo])
+        if weight_fp8 is None:
+            logits = torch.mm(xc, weight_c, out=logit_buf[: hi - lo])
+        else:
+            from track_1_short.model.fp8 import fp8_logits  # model/fp8.py imports this module's config
+
+            logits = fp8_logits(x_fp8[lo:hi], weight_fp8, out=logit_buf[: hi - lo])
         loss, g = block(logits, lo, hi)
         total += loss
         if not need_grad:
@@ -276,7 +283,18 @@ def _softcapped_ce_sum(
 
 @_softcapped_ce_sum.register_fake
 def _softcapped_ce_sum_fake(
-    x, weight, targets, mtp_weights, cap, shift, temperature, chunk_rows, need_grad, impl
+    x,
+    weight,
+    targets,
+    mtp_weights,
+    cap,
+    shift,
+    temperature,
+    chunk_rows,
+    need_grad,
+    impl,
+    x_fp8=None,
+    weight_fp8=None,
 ):
     total = x.new_empty((), dtype=torch.float32)
     if not need_grad:
@@ -293,7 +311,7 @@ def _softcapped_ce_backward(ctx, grad_out, _grad_x_out, _grad_w_out):
     # The loss is a sum: backward only scales the gradients the forward stored by the incoming scalar.
     grad_x, grad_w = ctx.saved_tensors
     g = grad_out.to(torch.float32)
-    return (grad_x * g.to(grad_x.dtype), grad_w * g.to(grad_w.dtype)) + (None,) * 9
+    return (grad_x * g.to(grad_x.dtype), grad_w * g.to(grad_w.dtype)) + (None,) * 11
 
 
 _softcapped_ce_sum.register_autograd(_softcapped_ce_backward, setup_context=_softcapped_ce_setup)
@@ -343,6 +361,8 @@ def softcapped_cross_entropy_sum(
     temperature: float,
     chunk_rows: int,
     impl: str = "reference",
+    x_fp8: Tensor | None = None,
+    weight_fp8: Tensor | None = None,
 ) -> Tensor:
     """Summed multi-token softcapped CE of hidden states x [T, D] against lm_head ``weight`` [D, V]; fp32 0-D.
 
@@ -357,7 +377,8 @@ def softcapped_cross_entropy_sum(
     new graph.
 
     impl: one of LOSS_IMPLS; "auto" is "fused" on CUDA, "reference" elsewhere (the interpreter runs the
-    kernel on a CPU, but slower than the eager ops).
+    kernel on a CPU, but slower than the eager ops). x_fp8 [T, D], weight_fp8 [V, D]: the e4m3 copies of x and
+    lm_head.T that the logits GEMM then reads (model/fp8.py); the gradient GEMMs stay in x's dtype.
     """
     if impl not in LOSS_IMPLS:
         raise ValueError(f"loss impl {impl!r} must be one of {list(LOSS_IMPLS)} (model.loss_impl).")
@@ -375,5 +396,7 @@ def softcapped_cross_entropy_sum(
         chunk_rows,
         need_grad,
         impl,
+        x_fp8,
+        weight_fp8,
     )
     return loss
