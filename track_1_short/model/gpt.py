@@ -22,7 +22,8 @@ The forward pass, per packed batch of whole documents (T tokens; documents never
 
 Out of scope (upstream has them, this model does not): the hashed n-gram embedding table and its gates (their
 lanes in mudd_gate_w2 / mudd_b2 are kept, unused, so the shapes match), FP8 projections and loss, the sampled
-softmax, canonical-token masking at validation, the prefix-token auxiliary loss, end-of-run tail averaging.
+softmax, the prefix-token auxiliary loss, end-of-run tail averaging. Canonical-token masking at the final
+validation is in (model/canonical_mask.py; the model's ``canonical_mask``, set for that one validation).
 Deliberate differences: the smear gate and the partial key offset stop at document starts (upstream lets them
 read the previous document's last token), so no information crosses a document boundary;
 ``cross_document_lookback=true`` gives upstream's behaviour instead (on the CPU smoke record, seed 1: val
@@ -96,6 +97,9 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.topo = topo = Topology.of(cfg)
         self.compute_dtype = COMPUTE_DTYPES[cfg.compute_dtype]
+        # uint8 [vocab_padded, vocab_padded / 8] (model/canonical_mask.py) while the final validation runs,
+        # else None: an attribute, not a buffer, so no checkpoint or state_dict carries it.
+        self.canonical_mask: Tensor | None = None
         device = torch.device(device)
         if cfg.mlp_impl == "fused" and device.type != "meta":
             from track_1_short.perf.kernels.relu2_mlp import check_device
@@ -445,6 +449,8 @@ class GPT(nn.Module):
         loss = softcapped_cross_entropy_eval_sum if evaluation else softcapped_cross_entropy_sum
         args = (cfg.logit_cap, cfg.logit_shift, cfg.logit_temperature, cfg.loss_chunk_rows)
         if evaluation:
+            if self.canonical_mask is not None:
+                return loss(hidden, self.lm_head, targets, mtp, *args, self.canonical_mask, inputs.long())
             return loss(hidden, self.lm_head, targets, mtp, *args)
         return loss(hidden, self.lm_head, targets, mtp, *args, cfg.loss_impl, cfg.loss_programs_per_sm)
 
