@@ -22,8 +22,9 @@ The forward pass, per packed batch of whole documents (T tokens; documents never
 
 Out of scope (upstream has them, this model does not): the hashed n-gram embedding table and its gates (their
 lanes in mudd_gate_w2 / mudd_b2 are kept, unused, so the shapes match), FP8 projections and loss, the sampled
-softmax, the prefix-token auxiliary loss, end-of-run tail averaging. Canonical-token masking at the final
-validation is in (model/canonical_mask.py; the model's ``canonical_mask``, set for that one validation).
+softmax, the prefix-token auxiliary loss. The record's endgame is in: canonical-token masking at the final
+validation (model/canonical_mask.py; the trainer sets ``canonical_mask`` for that one validation) and tail
+averaging of the weights before it (optim/tail_average.py).
 Deliberate differences: the smear gate and the partial key offset stop at document starts (upstream lets them
 read the previous document's last token), so no information crosses a document boundary;
 ``cross_document_lookback=true`` gives upstream's behaviour instead (on the CPU smoke record, seed 1: val
