@@ -103,3 +103,21 @@ def test_the_masked_final_loss_is_the_restated_masked_loss_of_the_final_weights(
             t.model.canonical_mask = None
     final = [e for e in masked_run["events"] if e["event"] == "val"][-1]
     assert (masked, unmasked) == (final["val_loss_masked"], final["val_loss_unmasked"])
+
+
+def test_the_gate_reads_the_loss_the_final_event_names(tmp_path):
+    from tools import record_gate
+
+    def run_with(**final):
+        events = [
+            {"event": "start", "total_steps": 2, "seed": 0, "config": {}},
+            {"event": "val", "step": 2, "total_steps": 2, "train_time_ms": 1.0, "step_avg_ms": 0.5, **final},
+        ]
+        path = tmp_path / "events.jsonl"
+        path.write_text("".join(json.dumps(e) + "\n" for e in events))
+        return record_gate.read_events(path, "r")
+
+    assert run_with(val_loss=3.0, val_loss_masked=2.9, gate_reads="val_loss_masked").final_loss == 2.9
+    assert run_with(val_loss=3.0).final_loss == 3.0  # a log without the field: val_loss, as before
+    with pytest.raises(record_gate.RecordGateInputError, match="'gate_reads' names 'val_loss_masked'"):
+        run_with(val_loss=3.0, gate_reads="val_loss_masked")
