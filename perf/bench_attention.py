@@ -26,13 +26,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
-from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
-from track_1_short.perf.bench_timing import time_ms
 
 from track_1_short.model.attention import flex_attention_varlen
 from track_1_short.model.config import ModelConfig, Topology
+
+# perf/ is not a package: its helpers are imported from its directory (also when a test loads this
+# file by path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_meta import bench_metadata, write_bench_json  # noqa: E402
+from bench_timing import time_ms  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -36,8 +36,13 @@ def module_files(root: Path, package: str = PACKAGE) -> dict[str, Path]:
 
 
 def imported_names(path: Path, module: str, is_package: bool) -> set[str]:
-    """Every module name ``path`` imports, at any depth of its code; ``from a import b`` gives a.b and a."""
+    """Every module name ``path`` imports, at any depth of its code; ``from a import b`` gives a.b and a.
+    Imports under ``if TYPE_CHECKING:`` never run, so they are no dependency (annotations only)."""
     tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        test = getattr(node, "test", None)
+        if isinstance(node, ast.If) and getattr(test, "id", getattr(test, "attr", "")) == "TYPE_CHECKING":
+            node.body = []
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

@@ -13,7 +13,9 @@ holding ``events.jsonl`` and/or ``log.txt``, written by ``track_1_short/run_log.
 when present, as it keeps the full-precision loss). A resumed run continues in its own directory after a
 marker (a ``resume`` event; a ``resumed at step:K/M`` line): it is one run, and what it logged after step K
 before the marker is superseded. A run is finished when it has a val line or event at
-step == total steps; that line gives the run's loss and its time (``train_time`` at that line). Runs that did
+step == total steps; that line gives the run's loss and its time (``train_time`` at that line); a final val
+event that names its gated loss in ``gate_reads`` (with ``canonical_mask`` on: ``val_loss_masked``) is read by
+that name, and its ``step:M/M val_loss:X`` line carries the same loss. Runs that did
 not finish are listed and excluded. A finished run whose final loss is not finite (nan, inf) diverged: it
 fails a candidate set and is left out of a baseline's statistics, with a note.
 
@@ -237,11 +239,16 @@ def _json_time_ms(event: dict, key: str, where: str) -> float:
 
 
 def _json_loss(event: dict, where: str) -> float:
-    value = event.get("val_loss")
+    # A final validation names the loss the run gates on (track_1_short/endgame.py: the canonical-masked one
+    # when the mask is on); its val_loss is that loss, and the gate reads it by that name.
+    key = event.get("gate_reads", "val_loss")
+    if not isinstance(key, str) or key not in event:
+        raise RecordGateInputError(f"{where}: val event field 'gate_reads' names {key!r}, which it lacks.")
+    value = event.get(key)
     if isinstance(value, str) and value.lower() in _NON_FINITE:
         return float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RecordGateInputError(f"{where}: val event field 'val_loss' must be a number, got {value!r}.")
+        raise RecordGateInputError(f"{where}: val event field {key!r} must be a number, got {value!r}.")
     return float(value)
 
 

@@ -8,6 +8,8 @@ A checkpoint is one file ``<dir>/step_NNNNNN.pt`` (NNNNNN = steps completed) hol
     optimizer  the optimizer's label-keyed state_dict
     loader     the training loader's position
     rng        torch / cuda / python / numpy generator states
+    tail       (with tail averaging on) {"<accumulator>/<label>": {buf, seeded}}, each buffer gathered whole,
+               so it reshards to any world size (optim/tail_average.py)
     meta       anything the writer wants checked at load (model config, total steps, world size)
 
 Writes are atomic: the file is written as ``.tmp``, fsynced, then renamed over its final name; only then is

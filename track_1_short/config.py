@@ -26,7 +26,8 @@ from track_1_short.data import DataConfig
 from track_1_short.guards import FaultInjectionConfig, GuardConfig
 from track_1_short.model.config import ModelConfig
 from track_1_short.optim.anvil import OptimConfig
-from track_1_short.schedule import ScheduleConfig
+from track_1_short.optim.tail_average import TailConfig, check_tail
+from track_1_short.schedule import ScheduleConfig, total_steps
 
 
 class ConfigError(ValueError):
@@ -57,6 +58,8 @@ class TrainConfig:
     guards: GuardConfig = field(default_factory=GuardConfig)
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     """A test facility (track_1_short/guards.py): breaks a run on purpose; off by default."""
+    tail: TailConfig = field(default_factory=TailConfig)
+    """End-of-run tail averaging of the weights (track_1_short/optim/tail_average.py); off by default."""
 
     cpu_threads: int = 1
     """Intra-op threads of torch on the CPU (torch.set_num_threads at the start of a run); 0 = torch's default
@@ -116,6 +119,12 @@ class TrainConfig:
     """tqdm bar on rank 0 (loss, tokens/s, ETA)."""
     smoke_target: float | None = None
     """Target val loss the record gate tests this preset's runs against; null = none (record: 3.28)."""
+    canonical_mask: bool = False
+    """The final validation drops the tokens GPT-2's BPE never emits after the previous token (logit -60
+    after the softcap; model/canonical_mask.py); it reports the unmasked loss beside it, and its val_loss,
+    the one the record gate reads, is the masked one. FineWeb (data.kind=shards) only (record: true)."""
+    canonical_mask_dir: str = ".cache/canonical_mask"
+    """Where the mask is cached, keyed by the vocabulary's content hash (built once, ~10-30 s on a CPU)."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_tokens", "val_every", "check_every", "loss_sum_ranks", "cpu_threads"):
@@ -126,6 +135,16 @@ class TrainConfig:
         if self.cpu_bf16_matmul not in CPU_BF16_MATMUL_SETTINGS:
             raise ConfigError(
                 f"cpu_bf16_matmul={self.cpu_bf16_matmul!r} must be one of {list(CPU_BF16_MATMUL_SETTINGS)}."
+            )
+        try:
+            check_tail(self.tail, total_steps(self.schedule), self.optim.adam_every)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        if self.canonical_mask and self.data.kind != "shards":
+            raise ConfigError(
+                "canonical_mask=true needs GPT-2-tokenized text (data.kind=shards, e.g. data=fineweb10B); "
+                f"the {self.data.kind} corpus has no BPE structure, so the mask would be wrong there. Set "
+                "canonical_mask=false."
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device={self.device!r} must be 'auto', 'cpu' or 'cuda'.")

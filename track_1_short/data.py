@@ -624,3 +624,16 @@ class ValLoader:
             bos = np.flatnonzero(buf[:-1] == self.bos_id)
             bounds = np.concatenate(([0], bos[bos > 0], [n]))
             yield _to_device(_host_batch(buf, bounds, self.device.type == "cuda"), self.device)
+
+
+def fixed_boundaries(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """cu_seqlens [n_docs + 1] padded with T to T + 1 entries (empty documents at the end).
+
+    A packed batch holds at most T documents, so T + 1 entries always suffice: every forward of T tokens then
+    sees the same shape whatever its documents, and a compiled model makes one graph per T instead of one per
+    document count. The padding is masked by construction: an empty document owns no token.
+    """
+    pad = num_tokens + 1 - cu_seqlens.numel()
+    if pad < 0:
+        raise ValueError(f"cu_seqlens has {cu_seqlens.numel()} entries, more than T + 1 = {num_tokens + 1}.")
+    return torch.nn.functional.pad(cu_seqlens, (0, pad), value=num_tokens) if pad else cu_seqlens

@@ -79,7 +79,7 @@ class NgramCycle:
         return self.queue.pop(step)
 
     def _row_ids(self, batch):
-        from track_1_short.trainer import fixed_boundaries
+        from track_1_short.data import fixed_boundaries
 
         cu = fixed_boundaries(batch.cu_seqlens, batch.inputs.numel())
         return self.trainer.model.ngram_indices(batch.inputs, cu)[0]

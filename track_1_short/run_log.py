@@ -180,8 +180,15 @@ class RunLog:
             self.text(f"  tokens_seen:{tokens_seen} tokens/s:{rate:.0f} (mean over the train time)")
 
     def val(
-        self, step: int, total_steps: int, val_loss: float, train_time_ms: float, step_avg_ms: float
+        self,
+        step: int,
+        total_steps: int,
+        val_loss: float,
+        train_time_ms: float,
+        step_avg_ms: float,
+        **extra: Any,
     ) -> None:
+        """``val_loss`` is the one the record gate reads; ``extra``: the final validation's other losses."""
         self.event(
             "val",
             step=step,
@@ -189,6 +196,7 @@ class RunLog:
             val_loss=val_loss,
             train_time_ms=train_time_ms,
             step_avg_ms=step_avg_ms,
+            **extra,
         )
         self.text(format_progress(step, total_steps, train_time_ms, step_avg_ms, val_loss))
 

@@ -37,6 +37,7 @@ from track_1_short import (
     compile_watch,
     cpu_bf16_matmul,
     distributed,
+    endgame,
     preflight,
     run_log,
     run_report,
@@ -44,9 +45,11 @@ from track_1_short import (
 )
 from track_1_short.checkpoint import CheckpointError, NonFiniteError
 from track_1_short.config import ConfigError, TrainConfig, accumulation_steps, check_run, to_object
+from track_1_short.data import fixed_boundaries
 from track_1_short.frozen_gc import freeze_gc, restore_gc
 from track_1_short.guards import Guards
 from track_1_short.model.config import saved_model_config
+from track_1_short.optim.tail_average import TailAverages
 from track_1_short.optimizer_time import OptimizerTime
 from track_1_short.run_log import RunLog, environment
 
@@ -102,19 +105,6 @@ def _data_paths(data_cfg) -> dict:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def fixed_boundaries(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """cu_seqlens [n_docs + 1] padded with T to T + 1 entries (empty documents at the end).
-
-    A packed batch holds at most T documents, so T + 1 entries always suffice: every forward of T tokens then
-    sees the same shape whatever its documents, and a compiled model makes one graph per T instead of one per
-    document count. The padding is masked by construction: an empty document owns no token.
-    """
-    pad = num_tokens + 1 - cu_seqlens.numel()
-    if pad < 0:
-        raise ValueError(f"cu_seqlens has {cu_seqlens.numel()} entries, more than T + 1 = {num_tokens + 1}.")
-    return torch.nn.functional.pad(cu_seqlens, (0, pad), value=num_tokens) if pad else cu_seqlens
 
 
 class Phases:
@@ -230,6 +220,9 @@ class Trainer:
             compiled=self.compiled,
             bf16_matmul=f"{self.bf16_matmul} ({why})" if route == self.bf16_matmul else self.bf16_matmul,
         )
+        self.tail = TailAverages(cfg.tail, self.opt, self.total_steps) if cfg.tail.enabled else None
+        # The final validation's mask, loaded (or built) before the clock: it depends on the vocabulary only.
+        self.canonical_mask = endgame.load_canonical_mask(self) if cfg.canonical_mask else None
         self.graphs_after_warmup: int | None = None
         self.opt_time = OptimizerTime(device)  # the optimizer's share of the timed loop (train events)
         self.guards = Guards(
@@ -253,6 +246,7 @@ class Trainer:
             # with the n-gram table, the position after the last step run, not the cycle's read-ahead
             "loader": self.ngram.loader_state(self.step) if self.ngram else self.loader.state_dict(),
             "rng": checkpoint.capture_rng(),
+            **({"tail": self.tail.state_dict()} if self.tail is not None else {}),
             "meta": {
                 "model": OmegaConf.to_container(OmegaConf.structured(self.cfg.model)),
                 "total_steps": self.total_steps,
@@ -271,6 +265,11 @@ class Trainer:
         Every part is checked before any is loaded: a bad snapshot raises and leaves the run as it was."""
         checkpoint.check_model_state(self.model, payload["model"])
         checkpoint.check_buffers(self.model, payload.get("buffers"))
+        if self.tail is not None:
+            try:
+                self.tail.check_state_dict(payload.get("tail"))
+            except ValueError as e:
+                raise CheckpointError(str(e)) from e
         loader_before = self.loader.state_dict()
         self.loader.load_state_dict(payload["loader"])  # checks, then moves the cursor
         try:
@@ -283,6 +282,8 @@ class Trainer:
         self.model.load_state_dict(payload["buffers"], strict=False)
         checkpoint.restore_rng(payload["rng"])
         self.model.rearm_fp8()  # FP8 copies of the loaded weights, delayed scales from their start
+        if self.tail is not None:
+            self.tail.load_state_dict(payload["tail"])
         # Adam's accumulated gradients are part of the optimizer's state and were just loaded with it; clear
         # only the others (ANVIL's are cleared every step, so this is a guard, not a reset of saved state).
         for label, p in self.opt.params.items():
@@ -422,11 +423,18 @@ class Trainer:
         )
         return steps
 
-    def validate(self, max_batches: int | None = None) -> float:
+    def validate(self, max_batches: int | None = None, masked: bool = False) -> float:
         """Mean next-token CE over the validation tokens, summed over ranks (no MTP, val windows);
-        ``max_batches``: stop after that many batches (the warmup's one forward)."""
+        ``max_batches``: stop after that many batches (the warmup's one forward); ``masked``: with the
+        canonical mask (the final validation only, endgame.py)."""
         from track_1_short import data
 
+        if masked:
+            self.model.canonical_mask = self.canonical_mask
+            try:
+                return self.validate(max_batches)
+            finally:
+                self.model.canonical_mask = None
         windows = schedule.val_windows(self.cfg.schedule)
         tokens_per_rank = self.cfg.data.val_batch_tokens // self.world
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -498,6 +506,8 @@ class Trainer:
             t0 = time.perf_counter()
             while self.step < n:
                 pending.append((self.step, self.train_step(self.step)))
+                if self.tail is not None:
+                    self.tail.tick(self.step)
                 self.step += 1
                 done, last = self.step, self.step == n
                 want_val = last or (cfg.val_every > 0 and done % cfg.val_every == 0)
@@ -537,7 +547,11 @@ class Trainer:
                     self.train_time_ms += 1e3 * (time.perf_counter() - t0)
                     if want_ckpt:
                         self.save_checkpoint()
-                    if want_val:
+                    if want_val and last:
+                        shipped = endgame.ship_tail(self) if self.tail is not None else None
+                        val_loss = endgame.final_validation(self, done, n, shipped)
+                        self.log.flush()
+                    elif want_val:
                         val_loss = self.validate()
                         self.log.val(done, n, val_loss, self.train_time_ms, self.train_time_ms / done)
                         self.log.flush()
@@ -580,6 +594,8 @@ class Trainer:
         payload = self._payload()  # on every rank: the optimizer's state_dict may gather shards
         checkpoint.assert_finite(payload["model"], "model")
         checkpoint.assert_finite(payload["optimizer"], "optimizer state")
+        if "tail" in payload:
+            checkpoint.assert_finite(payload["tail"], "tail accumulators")
         path = None
         if self.ngram is not None:  # every rank's shard file first: latest moves only once all are whole
             self.ngram.save(self.ckpt_dir, self.step)

@@ -28,8 +28,11 @@ off, its gate lanes and coefficient 11 stay in the shapes, unused.
 FP8 (``model.fp8.*``, model/fp8.py): the MLP and QKV projections forward and backward and the training
 loss's logits GEMM; evaluation forwards stay bf16.
 
-Out of scope (upstream has them, this model does not): the sampled softmax, canonical-token masking at
-validation, the prefix-token auxiliary loss, end-of-run tail averaging.
+The record's endgame: canonical-token masking at the final validation (model/canonical_mask.py; the trainer
+sets ``canonical_mask`` for that one validation) and tail averaging of the weights before it
+(optim/tail_average.py).
+
+Out of scope (upstream has them, this model does not): the sampled softmax, the prefix-token auxiliary loss.
 Deliberate differences: the smear gate and the partial key offset stop at document starts (upstream lets them
 read the previous document's last token), so no information crosses a document boundary;
 ``cross_document_lookback=true`` gives upstream's behaviour instead (on the CPU smoke record, seed 1: val
@@ -113,6 +116,9 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.topo = topo = Topology.of(cfg)
         self.compute_dtype = COMPUTE_DTYPES[cfg.compute_dtype]
+        # uint8 [vocab_padded, vocab_padded / 8] (model/canonical_mask.py) while the final validation runs,
+        # else None: an attribute, not a buffer, so no checkpoint or state_dict carries it.
+        self.canonical_mask: Tensor | None = None
         device = torch.device(device)
         build = "meta" if device.type == "meta" else "cpu"
         d, h, hd, vp, L = cfg.model_dim, cfg.num_heads, cfg.head_dim, topo.vocab_padded, cfg.num_layers
@@ -531,6 +537,8 @@ class GPT(nn.Module):
         loss = softcapped_cross_entropy_eval_sum if evaluation else softcapped_cross_entropy_sum
         args = (cfg.logit_cap, cfg.logit_shift, cfg.logit_temperature, cfg.loss_chunk_rows)
         if evaluation:
+            if self.canonical_mask is not None:
+                return loss(hidden, self.lm_head, targets, mtp, *args, self.canonical_mask, inputs.long())
             return loss(hidden, self.lm_head, targets, mtp, *args)
         lm_fp8 = (
             (fp8.lm_head_input(hidden), fp8.lm_col) if fp8 is not None and cfg.fp8.lm_head else (None, None)

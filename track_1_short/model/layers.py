@@ -263,7 +263,7 @@ def _softcapped_ce_sum(
         if weight_fp8 is None:
             logits = torch.mm(xc, weight_c, out=logit_buf[: hi - lo])
         else:
-            from track_1_short.model.fp8 import fp8_logits  # model/fp8.py imports this module's config
+            from track_1_short.model.fp8 import fp8_logits
 
             logits = fp8_logits(x_fp8[lo:hi], weight_fp8, out=logit_buf[: hi - lo])
         loss, g = block(logits, lo, hi)
@@ -326,6 +326,8 @@ def softcapped_cross_entropy_eval_sum(
     shift: float,
     temperature: float,
     chunk_rows: int,
+    canonical_mask: Tensor | None = None,
+    prev_tokens: Tensor | None = None,
 ) -> Tensor:
     """The loss of a forward without gradients (validation), computed as upstream's validation does; fp32 0-D.
 
@@ -334,21 +336,41 @@ def softcapped_cross_entropy_eval_sum(
     F.cross_entropy against targets[t + k] for t + k < T, weighted by mtp_weights[k] and summed. In bf16 this
     rounds the logit five times where the training path (one fused GEMM, fp32 sigmoid) rounds once, which is
     what upstream's reported val loss, the one the record gate tests against 3.28, carries.
+
+    ``canonical_mask`` (uint8 [V, V / 8], model/canonical_mask.py) with ``prev_tokens`` (the inputs, [T]):
+    after the softcap, the logit of every token that never follows prev_tokens[t] becomes -60 (upstream's
+    final validation). It is a next-token mask, so it takes plain CE only (mtp_weights of length 1).
     """
     if isinstance(mtp_weights, Tensor):  # evaluation runs eagerly: one read-back per forward is fine
         mtp_weights = mtp_weights.tolist()
+    if canonical_mask is not None and (prev_tokens is None or len(mtp_weights) != 1):
+        raise ValueError("canonical_mask needs prev_tokens and plain next-token CE (one MTP weight).")
     num_tokens = x.size(0)
     weight_c = weight.to(x.dtype)
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     for lo in range(0, num_tokens, chunk_rows):
         hi = min(lo + chunk_rows, num_tokens)
         logits = (cap * torch.sigmoid((x[lo:hi] @ weight_c + shift) / temperature)).float()  # [rows, V]
+        if canonical_mask is not None:
+            _mask_non_canonical_(logits, canonical_mask, prev_tokens[lo:hi])
         for k, w in enumerate(mtp_weights):
             rows = min(hi, num_tokens - k) - lo  # rows whose target t + k exists
             if rows > 0 and w != 0:
                 ce = F.cross_entropy(logits[:rows], targets[lo + k : lo + k + rows], reduction="sum")
                 total += w * ce
     return total
+
+
+# Rows of the canonical mask unpacked at a time: its bool [rows, V] stays small next to the logits.
+_MASK_ROWS = 4096
+
+
+def _mask_non_canonical_(logits: Tensor, mask: Tensor, prev: Tensor) -> None:
+    from track_1_short.model.canonical_mask import FILL, unpack
+
+    for lo in range(0, logits.size(0), _MASK_ROWS):
+        hi = min(lo + _MASK_ROWS, logits.size(0))
+        logits[lo:hi].masked_fill_(unpack(mask, prev[lo:hi]), FILL)
 
 
 def softcapped_cross_entropy_sum(
