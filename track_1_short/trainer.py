@@ -36,6 +36,7 @@ from track_1_short import checkpoint, compile_watch, distributed, preflight, run
 from track_1_short.checkpoint import CheckpointError, NonFiniteError
 from track_1_short.config import ConfigError, TrainConfig, accumulation_steps, check_run, to_object
 from track_1_short.guards import Guards
+from track_1_short.model import sampled_softmax
 from track_1_short.optimizer_time import OptimizerTime
 from track_1_short.perf import cpu_bf16_matmul
 from track_1_short.perf.frozen_gc import freeze_gc, restore_gc
@@ -172,6 +173,8 @@ class Trainer:
         self.forward = self.model
         self._window_tensors: dict[tuple[int, int], torch.Tensor] = {}
         self.mtp_width = max(len(st.mtp_weights) for st in cfg.schedule.stages)
+        # The prefix term is in every training graph when the model has its table (weight 0 adds exact zeros).
+        self.prefix_on = cfg.model.prefix_targets
         self.compiled = device.type == "cuda" and cfg.compile
         if self.compiled:
             self.forward = torch.compile(self.model, dynamic=False)
@@ -321,10 +324,13 @@ class Trainer:
         padded = list(plan.mtp_weights) + [0.0] * (self.mtp_width - len(plan.mtp_weights))
         mtp = torch.tensor(padded, dtype=torch.float32).to(self.device, non_blocking=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        for _ in range(accum):
+        extra = self._loss_fields(plan, micro)
+        for m in range(accum):
             b = self.loader.next_batch(micro, plan.max_doc_len)
             cu = fixed_boundaries(b.cu_seqlens, micro)
-            loss = self.forward(b.inputs, b.targets, cu, windows, mtp)
+            if extra.get("candidates"):
+                extra["sample_offset"] = self._sweep_offset(step, m, accum, extra["candidates"])
+            loss = self.forward(b.inputs, b.targets, cu, windows, mtp, **extra)
             if marks is not None:
                 marks("forward")
             # Per-token mean over this rank's step, or (loss_sum_ranks N) the sum over batch/N tokens; the
@@ -341,6 +347,29 @@ class Trainer:
             self.guards.after_update(step)  # replicas compared every guards.checksum_every steps
         self.tokens_seen += plan.batch_tokens
         return loss_sum / (micro * accum)
+
+    def _loss_fields(self, plan, micro: int) -> dict:
+        """The step's prefix weight (a device tensor: no new graph when it changes) and the sampled softmax's
+        P for this micro-batch size (an int: one graph per value, each made in the warmup)."""
+        extra: dict = {}
+        if self.prefix_on:
+            weight = torch.tensor([plan.prefix_weight], dtype=torch.float32)
+            extra["prefix_weight"] = weight.to(self.device, non_blocking=True)
+        p = sampled_softmax.candidates_for(
+            plan.sampled_candidates,
+            micro,
+            self.cfg.schedule.sampled_candidates_tokens,
+            self.model.topo.vocab_padded,
+        )
+        if p:
+            extra["candidates"] = p
+        return extra
+
+    def _sweep_offset(self, step: int, micro_index: int, accum: int, p: int) -> torch.Tensor:
+        """Where this micro batch's negatives start: staggered over every rank's micro batches of the step."""
+        g, n = self.rank * accum + micro_index, self.world * accum
+        offset = sampled_softmax.sweep_offset(step, g, n, p, self.model.topo.vocab_padded)
+        return torch.tensor(offset, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def _window_tensor(self, windows) -> torch.Tensor:
         """The (short, long) windows as a device tensor, one per distinct pair (uploaded once)."""

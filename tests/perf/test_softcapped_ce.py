@@ -221,22 +221,26 @@ _COMPILE_FOR_H200 = textwrap.dedent(
     from triton.compiler import ASTSource
     from track_1_short.perf.kernels.softcapped_ce import BLOCK_GPU, _NUM_WARPS, _softcapped_ce_rows_kernel
 
-    ptr, scalars = {"tgt_ptr": "*i64", "coef_ptr": "*fp32", "row_weight_ptr": "*fp32", "loss_ptr": "*fp32"}, {
+    ptr = {"tgt_ptr": "*i64", "coef_ptr": "*fp32", "row_weight_ptr": "*fp32", "loss_ptr": "*fp32",
+           "p_tgt_ptr": "*i64", "p_coef_ptr": "*fp32"}
+    scalars = {
         "u_stride": "i32", "tgt_stride": "i32", "lo": "i32", "V": "i32", "cap": "fp32", "shift": "fp32",
         "inv_t": "fp32", "grad_scale": "fp32", "rows": "i32"}
     count = 0
     for is_bf16 in (True, False):
         for write_grad in (True, False):
             for persistent in (False, True):  # one program per row (the default), or the strided grid
-                consts = {"K": 3, "KP": 4, "IS_BF16": is_bf16, "WRITE_GRAD": write_grad, "BLOCK": BLOCK_GPU,
-                          "PERSISTENT": persistent}
-                sig = {"u_ptr": "*i16" if is_bf16 else "*fp32", **ptr, **scalars}
-                sig.update(dict.fromkeys(consts, "constexpr"))
-                src = ASTSource(fn=_softcapped_ce_rows_kernel, signature=sig, constexprs=consts)
-                sm90 = GPUTarget("cuda", 90, 32)
-                compiled = triton.compile(src, target=sm90, options={"num_warps": _NUM_WARPS})
-                assert compiled.asm["cubin"], (is_bf16, write_grad, persistent)
-                count += 1
+                for has_prefix in (False, True):  # the prefix-token target's arm
+                    consts = {"K": 3, "KP": 4, "IS_BF16": is_bf16, "WRITE_GRAD": write_grad,
+                              "BLOCK": BLOCK_GPU,
+                              "PERSISTENT": persistent, "HAS_PREFIX": has_prefix}
+                    sig = {"u_ptr": "*i16" if is_bf16 else "*fp32", **ptr, **scalars}
+                    sig.update(dict.fromkeys(consts, "constexpr"))
+                    src = ASTSource(fn=_softcapped_ce_rows_kernel, signature=sig, constexprs=consts)
+                    sm90 = GPUTarget("cuda", 90, 32)
+                    compiled = triton.compile(src, target=sm90, options={"num_warps": _NUM_WARPS})
+                    assert compiled.asm["cubin"], (is_bf16, write_grad, persistent, has_prefix)
+                    count += 1
     print(f"compiled {count} variants")
     """
 )
@@ -244,7 +248,7 @@ _COMPILE_FOR_H200 = textwrap.dedent(
 
 def test_the_kernel_compiles_for_the_h200_on_this_machine():
     proc = compile_outside_the_interpreter(_COMPILE_FOR_H200)
-    assert proc.returncode == 0 and "compiled 8 variants" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "compiled 16 variants" in proc.stdout, proc.stderr[-3000:]
 
 
 @gpu

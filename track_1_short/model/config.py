@@ -233,6 +233,10 @@ class ModelConfig:
     """The ReLU² MLP: "reference" (torch ops; Inductor fuses the square into its own elementwise kernels) or
     "fused" (the square, and in the backward its derivative, in the epilogue of a Triton GEMM:
     track_1_short/perf/kernels/relu2_mlp.py; bf16 compute, CUDA, or a CPU under TRITON_INTERPRET=1)."""
+    prefix_targets: bool = False
+    """Build the prefix-token table (model/prefix_targets.py) so that the training loss can score every
+    position also against prefix(next token), with the schedule's ``prefix_weights``; needs GPT-2's
+    vocabulary (vocab_size 50257), the ids the table maps."""
     loss_programs_per_sm: int = 0
     """The fused loss kernel's grid: 0 launches one program per row; k > 0 launches k programs per
     multiprocessor (one on a CPU) that stride over the rows, so fewer rows are in flight and the kernel's
@@ -299,6 +303,11 @@ class ModelConfig:
             fail(
                 f"mlp_impl='fused' runs in bf16, but compute_dtype={self.compute_dtype!r}; use "
                 "mlp_impl=reference or compute_dtype=bfloat16."
+            )
+        if self.prefix_targets and self.vocab_size != 50257:
+            fail(
+                f"prefix_targets=true maps GPT-2's token ids, but vocab_size={self.vocab_size}; use data "
+                "with GPT-2's vocabulary (vocab_size 50257) or model.prefix_targets=false."
             )
         if self.loss_programs_per_sm < 0:
             fail(

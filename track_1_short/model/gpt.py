@@ -20,9 +20,13 @@ The forward pass, per packed batch of whole documents (T tokens; documents never
   activations (caches, value embeddings) back in, per token and per channel group; then norm, lm_head,
   softcap 23 * sigmoid((z + 5) / 7.5) and the summed multi-token cross-entropy.
 
+The training loss may add a prefix-token target per position (model/prefix_targets.py, with
+``prefix_targets``) and run over a sampled candidate set of lm_head's columns (model/sampled_softmax.py); both
+come per step from the schedule, and evaluation forwards use neither.
+
 Out of scope (upstream has them, this model does not): the hashed n-gram embedding table and its gates (their
-lanes in mudd_gate_w2 / mudd_b2 are kept, unused, so the shapes match), FP8 projections and loss, the sampled
-softmax, canonical-token masking at validation, the prefix-token auxiliary loss, end-of-run tail averaging.
+lanes in mudd_gate_w2 / mudd_b2 are kept, unused, so the shapes match), FP8 projections and loss,
+canonical-token masking at validation, end-of-run tail averaging.
 Deliberate differences: the smear gate and the partial key offset stop at document starts (upstream lets them
 read the previous document's last token), so no information crosses a document boundary;
 ``cross_document_lookback=true`` gives upstream's behaviour instead (on the CPU smoke record, seed 1: val
@@ -68,6 +72,8 @@ from track_1_short.model.layers import (
     softcapped_cross_entropy_sum,
     yarn_rescale_,
 )
+from track_1_short.model.prefix_targets import prefix_table
+from track_1_short.model.sampled_softmax import candidate_set
 
 
 def _unpack_lanes(gate: Tensor, lanes: dict[str, dict[int, tuple[int, int]]]) -> dict[str, dict[int, Tensor]]:
@@ -145,6 +151,9 @@ class GPT(nn.Module):
         )
         self.register_buffer("rope_windows", torch.full((2,), -1, dtype=torch.int64, device=build))
         self.register_buffer("embed_is_split", torch.zeros((), dtype=torch.bool, device=build))
+        if cfg.prefix_targets:  # derived from GPT-2's vocabulary, not trained: never in a checkpoint
+            table = torch.empty(vp, dtype=torch.int64, device="meta") if build == "meta" else prefix_table(vp)
+            self.register_buffer("prefix_table", table, persistent=False)
         self._rope_windows = [-1, -1]  # host mirror of rope_windows (no device sync per forward)
         self._embed_split = False
         self.register_load_state_dict_post_hook(GPT._sync_host_state)
@@ -420,6 +429,9 @@ class GPT(nn.Module):
         cu_seqlens: Tensor,
         windows,
         mtp_weights: list[float] | Tensor | None = None,
+        prefix_weight: float | Tensor | None = None,
+        candidates: int = 0,
+        sample_offset: int | Tensor = 0,
     ) -> Tensor:
         """Summed multi-token softcapped CE over the T tokens (fp32 0-D); mtp_weights None = [1.0] (plain CE).
 
@@ -430,6 +442,11 @@ class GPT(nn.Module):
         caller's ``follow_windows``, which the input checks verify), mtp_weights: weight of predicting t+1,
         t+2, ... (a list, or an fp32 [K] tensor on the model's device: a compiled model then takes new
         weights without a new graph).
+
+        Training forwards only (an evaluation forward ignores them): prefix_weight, the prefix-token target's
+        weight (a float, or an fp32 tensor on the model's device: no new graph when it changes; needs
+        ``prefix_targets``; None: no term); candidates, the sampled softmax's P (0: the full softmax; each P
+        is its own graph) with sample_offset, where its negatives' sweep starts (model/sampled_softmax.py).
         """
         mtp = [1.0] if mtp_weights is None else mtp_weights
         if self.cfg.check_inputs:
@@ -444,9 +461,26 @@ class GPT(nn.Module):
         evaluation = not (self.training and torch.is_grad_enabled())
         loss = softcapped_cross_entropy_eval_sum if evaluation else softcapped_cross_entropy_sum
         args = (cfg.logit_cap, cfg.logit_shift, cfg.logit_temperature, cfg.loss_chunk_rows)
-        if evaluation:
+        if evaluation:  # validation never samples and scores next tokens only
             return loss(hidden, self.lm_head, targets, mtp, *args)
-        return loss(hidden, self.lm_head, targets, mtp, *args, cfg.loss_impl, cfg.loss_programs_per_sm)
+        extra = self._loss_targets(targets, prefix_weight, candidates, sample_offset)
+        return loss(
+            hidden, self.lm_head, targets, mtp, *args, cfg.loss_impl, cfg.loss_programs_per_sm, **extra
+        )
+
+    def _loss_targets(self, targets: Tensor, prefix_weight, candidates: int, sample_offset) -> dict:
+        """The training loss's prefix targets and candidate set, as keyword arguments of the loss."""
+        extra: dict = {}
+        if prefix_weight is not None:
+            if not self.cfg.prefix_targets:
+                raise ValueError(
+                    "a prefix weight was given, but the model has no prefix table: set "
+                    "model.prefix_targets=true."
+                )
+            extra.update(prefix_targets=self.prefix_table[targets], prefix_weight=prefix_weight)
+        if candidates:
+            extra["candidates"] = candidate_set(targets, self.topo.vocab_padded, candidates, sample_offset)
+        return extra
 
     @torch.no_grad()
     def val_loss_sum(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, windows) -> Tensor:
