@@ -228,3 +228,124 @@ def test_an_evaluation_forward_never_samples(tiny_model_and_batch):
     model.train()
     trained = model(inputs, targets, cu, windows, None, None, 256, 3)
     assert not torch.equal(trained.detach(), full)  # the training forward does sample
+
+
+# -- any world size, any number of micro batches --
+
+MICROS, T_MICRO, D, V, P = 6, 32, 16, 256, 96
+
+
+def _step_data():
+    """One step's global batch: 6 micro batches of hidden states, targets and prefix targets, and lm_head."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(MICROS, T_MICRO, D, generator=g) * 2
+    targets = torch.randint(0, V, (MICROS, T_MICRO), generator=g)
+    prefix = torch.randint(-1, V, (MICROS, T_MICRO), generator=g)
+    w = torch.randn(D, V, generator=g) * 0.5
+    return x, targets, prefix, w
+
+
+def _trainer_offset(rank, world, step, micro, accum):
+    from types import SimpleNamespace
+
+    from track_1_short.trainer import Trainer
+
+    model = SimpleNamespace(topo=SimpleNamespace(vocab_padded=V))
+    fake = SimpleNamespace(rank=rank, world=world, device="cpu", model=model)
+    return Trainer._sweep_offset(fake, step, micro, accum, P)
+
+
+def sampled_step_worker(rank, world, step):
+    """This rank's micro batches of the step (the trainer's split: rank r holds micro batches r * accum ..),
+    each over the candidate set of its global index, the lm_head gradient summed over ranks."""
+    from track_1_short import distributed
+
+    x, targets, prefix, w = _step_data()
+    accum = MICROS // world
+    w = w.clone().requires_grad_()
+    loss_sum = torch.zeros(())
+    for m in range(accum):
+        gi = rank * accum + m
+        # The trainer's own offset of this rank's micro batch m (uploaded as a tensor, as it is there).
+        cand = candidate_set(targets[gi], V, P, _trainer_offset(rank, world, step, m, accum))
+        loss = softcapped_cross_entropy_sum(
+            x[gi],
+            w,
+            targets[gi],
+            [1.0, 0.5],
+            CAP,
+            SHIFT,
+            TEMP,
+            16,
+            prefix_targets=prefix[gi],
+            prefix_weight=0.2,
+            candidates=cand,
+        )
+        loss.backward()
+        loss_sum += loss.detach()
+    distributed.all_reduce_sum(w.grad)
+    distributed.all_reduce_sum(loss_sum)
+    return loss_sum, w.grad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_two_and_three_gloo_ranks_with_several_micro_batches_equal_one_rank(world):
+    from tests.distributed_harness import run_ranks
+
+    one_loss, one_grad = sampled_step_worker_alone(step=4)
+    results = run_ranks(sampled_step_worker, world, 4)
+    # Each micro batch's loss and gradient are the same bits on every layout (its candidate set depends on
+    # its global index only); only the order of the fp32 sums over 6 micro batches differs: each partial sum
+    # rounds once, so the difference stays within 6 fp32 ulps of the sum of the magnitudes.
+    per_micro = per_micro_grads(step=4)
+    bound = 6 * 2.0**-23 * per_micro.abs().sum(0)
+    for loss, grad in results:
+        torch.testing.assert_close(loss, one_loss, rtol=6 * 2.0**-23, atol=0)
+        assert torch.all((grad - one_grad).abs() <= bound)
+    assert not torch.equal(per_micro[0], per_micro[1])  # the micro batches really differ
+
+
+def sampled_step_worker_alone(step):
+    """World size 1: the same step as one rank with all 6 micro batches, without a process group."""
+    x, targets, prefix, w = _step_data()
+    grads = per_micro_grads(step)
+    losses = []
+    for gi in range(MICROS):
+        cand = candidate_set(targets[gi], V, P, sweep_offset(step, gi, MICROS, P, V))
+        with torch.no_grad():
+            losses.append(_micro_loss(x[gi], w, targets[gi], prefix[gi], cand))
+    total = torch.zeros(())
+    for loss in losses:
+        total += loss
+    grad = torch.zeros_like(w)
+    for g in grads:
+        grad += g
+    return total, grad
+
+
+def _micro_loss(x, w, targets, prefix, cand):
+    return softcapped_cross_entropy_sum(
+        x,
+        w,
+        targets,
+        [1.0, 0.5],
+        CAP,
+        SHIFT,
+        TEMP,
+        16,
+        prefix_targets=prefix,
+        prefix_weight=0.2,
+        candidates=cand,
+    )
+
+
+def per_micro_grads(step):
+    x, targets, prefix, w = _step_data()
+    out = []
+    for gi in range(MICROS):
+        ww = w.clone().requires_grad_()
+        cand = candidate_set(targets[gi], V, P, sweep_offset(step, gi, MICROS, P, V))
+        _micro_loss(x[gi], ww, targets[gi], prefix[gi], cand).backward()
+        out.append(ww.grad)
+    return torch.stack(out)
