@@ -3,6 +3,7 @@
     python perf/bench_loss.py --out perf/results/loss.json                      # CUDA, the record's shapes
     python perf/bench_loss.py --device cpu --tokens 512 --vocab 2176 --out /tmp/loss.json   # CPU, small
     python perf/bench_loss.py --programs-per-sm 0 1 2 4 --out /tmp/loss.json   # the fused kernel's grids
+    python perf/bench_loss.py --candidates 0 13696 19200 32768 --prefix-weight 0.25 --out /tmp/loss.json
 
 Times ``softcapped_cross_entropy_sum`` (model/layers.py, the trainer's own loss) on hidden states x [T, D]
 and the lm_head [D, V] in bf16, with the record's three MTP weights, for each implementation: its forward
@@ -18,6 +19,13 @@ for ``fused`` one per ``--programs-per-sm`` (model.loss_programs_per_sm: 0 is on
   norm of the difference), the agreement tests/perf/test_softcapped_ce.py bounds;
 - ``bitwise_vs_per_row``: a fused row with a strided grid against the fused row with one program per row
   (loss and both gradients bit for bit, as the kernel promises), when both were run.
+
+``--candidates``: one set of rows per sampled-softmax count P (0: the full softmax), the time including the
+candidate set's build (model/sampled_softmax.py), ``ms_floor`` the GEMMs and kernel traffic at width P, and
+``vs_full`` the same impl's full-softmax ``ms`` over this row's; the rel diffs compare with the reference at
+the same P. The targets are drawn uniformly from ``--distinct`` ids (every P must hold them); the cost
+depends on P, not on which ids. ``--prefix-weight``: the prefix-token term too, with a prefix target drawn
+per row (-1 for a quarter of them).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import torch
 
 from track_1_short.model.config import ModelConfig
 from track_1_short.model.layers import LOSS_IMPLS, softcapped_cross_entropy_sum
+from track_1_short.model.sampled_softmax import candidate_set
 from track_1_short.perf.bench_meta import bench_metadata, write_bench_json
 
 RECORD_MTP = [1.0, 0.5, 0.25]  # the record's stage-0 MTP weights (schedule track1)
@@ -78,43 +87,64 @@ def run(args) -> dict:
     t, d, v = args.tokens, args.dim, args.vocab
     x = torch.randn(t, d, generator=g).to(device=device, dtype=torch.bfloat16)
     w = (torch.randn(d, v, generator=g) * 0.02).to(device=device, dtype=torch.bfloat16)
-    targets = torch.randint(0, v, (t,), generator=g).to(device)
+    pool = torch.randperm(v, generator=g)[: min(args.distinct, v)]
+    targets = pool[torch.randint(0, pool.numel(), (t,), generator=g)].to(device)
+    prefix = None
+    if args.prefix_weight is not None:
+        prefix = torch.randint(0, v, (t,), generator=g)
+        prefix[torch.rand(t, generator=g) < 0.25] = -1
+        prefix = prefix.to(device)
     mtp = torch.tensor(RECORD_MTP, device=device)
     on_gpu = device.type == "cuda"
     tflops = matmul_tflops(device, 8192 if on_gpu else 512, timer)
     copy_rate = copy_bytes_per_s(device, 1 << 28 if on_gpu else 1 << 22, timer)
-    floor_ms = (6 * t * d * v / (tflops * 1e12) + 6 * t * v / copy_rate) * 1e3
+
+    def floor_ms(width: int) -> float:
+        return (6 * t * d * width / (tflops * 1e12) + 6 * t * width / copy_rate) * 1e3
 
     arms = [
-        (impl, pps) for impl in args.impls for pps in (args.programs_per_sm if impl == "fused" else [None])
+        (impl, pps, p)
+        for p in args.candidates
+        for impl in args.impls
+        for pps in (args.programs_per_sm if impl == "fused" else [None])
     ]
     results = {}
-    for impl, pps in arms:
+    for impl, pps, p in arms:
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
         loss_args = (*SOFTCAP, args.chunk_rows, impl, pps or 0)
 
-        def step(xx=xx, ww=ww, loss_args=loss_args):
+        def loss_fn(xx=xx, ww=ww, loss_args=loss_args, p=p):
+            kw = {}
+            if p:  # the set's build is part of the sampled loss's cost
+                kw["candidates"] = candidate_set(targets, v, p, 0)
+            if prefix is not None:
+                kw.update(prefix_targets=prefix, prefix_weight=args.prefix_weight)
+            return softcapped_cross_entropy_sum(xx, ww, targets, mtp, *loss_args, **kw)
+
+        def step(xx=xx, ww=ww, loss_fn=loss_fn):
             xx.grad = ww.grad = None
-            softcapped_cross_entropy_sum(xx, ww, targets, mtp, *loss_args).backward()
+            loss_fn().backward()
 
         for _ in range(args.warmup):
             step()
         times = [timer(step) for _ in range(args.steps)]
-        loss = softcapped_cross_entropy_sum(xx, ww, targets, mtp, *loss_args)
+        loss = loss_fn()
         # The gradients of the last timed step: the loss above ran without a backward.
-        results[(impl, pps)] = (times, loss.detach().float(), xx.grad.float(), ww.grad.float())
+        results[(impl, pps, p)] = (times, loss.detach().float(), xx.grad.float(), ww.grad.float())
 
-    ref = results.get(("reference", None))
-    per_row = results.get(("fused", 0))
     rows = []
-    for (impl, pps), (times, loss, gx, gw) in results.items():
+    for (impl, pps, p), (times, loss, gx, gw) in results.items():
+        ref = results.get(("reference", None, p))
+        per_row = results.get(("fused", 0, p))
+        full = results.get((impl, pps, 0))
         row = {
             "impl": impl,
             "programs_per_sm": pps,
+            "candidates": p,
             "tokens": t,
             "vocab": v,
             "ms": statistics.median(times),
-            "ms_floor": floor_ms,
+            "ms_floor": floor_ms(p or v),
             "ms_min": min(times),
             "ms_max": max(times),
         }
@@ -122,6 +152,8 @@ def run(args) -> dict:
             row["vs_reference"] = statistics.median(ref[0]) / row["ms"]
             for name, a, b in (("loss", loss, ref[1]), ("grad_x", gx, ref[2]), ("grad_w", gw, ref[3])):
                 row[f"{name}_rel_diff"] = ((a - b).norm() / b.norm()).item()
+        if full is not None:
+            row["vs_full"] = statistics.median(full[0]) / row["ms"]
         if pps and per_row is not None:
             row["bitwise_vs_per_row"] = all(torch.equal(a, b) for a, b in zip((loss, gx, gw), per_row[1:]))
         rows.append(row)
@@ -131,6 +163,8 @@ def run(args) -> dict:
         "matmul_tflops_measured": tflops,
         "copy_gb_per_s_measured": copy_rate / 1e9,
         "chunk_rows": args.chunk_rows,
+        "distinct_targets": int(pool.numel()),
+        "prefix_weight": args.prefix_weight,
         "rows": rows,
     }
 
@@ -151,11 +185,29 @@ def parse_args(argv=None):
         default=[0],
         help="the fused arm's grids (model.loss_programs_per_sm), one row each; 0: one program per row",
     )
+    p.add_argument(
+        "--candidates",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="sampled-softmax counts P, one set of rows each; 0: the full softmax",
+    )
+    p.add_argument(
+        "--distinct",
+        type=int,
+        default=8000,
+        help="targets drawn from this many ids (every P must hold them; ~11k at upstream's 49,152 tokens)",
+    )
+    p.add_argument(
+        "--prefix-weight", type=float, default=None, help="add the prefix-token term at this weight"
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args(argv)
     if min(args.programs_per_sm) < 0 or len(set(args.programs_per_sm)) != len(args.programs_per_sm):
         p.error("--programs-per-sm: distinct values >= 0 (0: one program per row)")
+    if min(args.candidates) < 0 or any(0 < c < min(args.distinct, args.vocab) for c in args.candidates):
+        p.error("--candidates: 0 (full) or counts >= --distinct, which every candidate set must hold")
     return args
 
 
