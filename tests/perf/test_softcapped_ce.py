@@ -278,3 +278,32 @@ def test_gpu_persistent_grid_gives_the_same_bits_as_one_program_per_row():
     programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count
     loss_p, g_p = _kernel_run(u, targets, coef, row_weight, programs=programs)
     assert torch.equal(loss_p, loss_1) and torch.equal(g_p, g_1)
+
+
+@gpu
+def test_gpu_fused_sampled_loss_with_the_prefix_term_matches_the_reference():
+    # The record's shapes in small: V = 50,304, P = 14,336 (stage 2), 4,096-row chunks, bf16, prefix targets.
+    from track_1_short.model.sampled_softmax import candidate_set
+
+    x, w, targets, mtp_t = _case(8192 + 77, 768, 50304, [1.0, 0.5, 0.25], torch.bfloat16, "cuda", seed=6)
+    w = w * 0.02
+    targets = targets % 11000  # ~11k distinct targets, upstream's count at this stage
+    g = torch.Generator().manual_seed(7)
+    prefix = torch.randint(-1, 50304, (targets.numel(),), generator=g).cuda()
+    cand = candidate_set(targets, 50304, 14336, 12345)
+    runs = {}
+    for impl in ("reference", "fused"):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = softcapped_cross_entropy_sum(
+            xx, ww, targets, mtp_t, CAP, SHIFT, TEMP, 4096, impl,
+            prefix_targets=prefix, prefix_weight=0.25, candidates=cand,
+        )  # fmt: skip
+        loss.backward()
+        runs[impl] = (loss.detach(), xx.grad.float(), ww.grad.float())
+    ref, fused = runs["reference"], runs["fused"]
+    # The bounds of the full-softmax GPU test above, for the same reasons.
+    torch.testing.assert_close(fused[0], ref[0], rtol=1e-5, atol=0)
+    assert _rel(fused[1], ref[1]) < 2e-3 and _rel(fused[2], ref[2]) < 2e-3
+    outside = torch.ones(50304, dtype=torch.bool, device="cuda")
+    outside[cand] = False
+    assert torch.all(fused[2][:, outside] == 0)
