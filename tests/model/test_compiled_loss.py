@@ -110,7 +110,7 @@ def test_a_compiled_sampled_loss_makes_one_graph_per_candidate_count_and_equals_
     cf = torch.compile(f, backend="aot_eager", dynamic=False)
     for step, (weight, p) in enumerate([(0.25, 96), (0.2, 96), (0.1, 128), (0.0, 128), (0.0, 96)]):
         args = (torch.tensor([weight], device=device), p, torch.tensor(step * 37, device=device))
-        eager = loss_and_grads(lambda x, w, t, _: f(x, w, t, *args), x, w, targets, None)
-        compiled = loss_and_grads(lambda x, w, t, _: cf(x, w, t, *args), x, w, targets, None)
+        eager = loss_and_grads(lambda x, w, t, args: f(x, w, t, *args), x, w, targets, args)
+        compiled = loss_and_grads(lambda x, w, t, args: cf(x, w, t, *args), x, w, targets, args)
         assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), step
     assert counters["stats"]["unique_graphs"] == 2  # P = 96 and P = 128
