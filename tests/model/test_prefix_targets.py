@@ -183,3 +183,36 @@ def test_the_model_refuses_a_prefix_table_for_another_vocabulary():
         ModelConfigError, match=r"prefix_targets=true maps GPT-2's token ids, but vocab_size=2176"
     ):
         ModelConfig(vocab_size=2176, prefix_targets=True)
+
+
+# -- the model --
+
+
+def test_the_models_training_loss_scores_the_prefix_of_the_next_token_and_weight_zero_changes_nothing():
+    from tests.model.conftest import load_config, packed_batch
+    from track_1_short.model.gpt import GPT
+
+    torch.manual_seed(5)
+    model = GPT(load_config("tiny", compute_dtype="float32", prefix_targets=True))
+    inputs, targets, cu = packed_batch([100, 60])
+    assert torch.equal(model.prefix_table, prefix_table(model.topo.vocab_padded))
+
+    def loss_and_grads(**kw):
+        model.zero_grad()
+        loss = model(inputs, targets, cu, (1, 2), [1.0, 0.5], **kw)
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain = loss_and_grads()
+    zero = loss_and_grads(prefix_weight=torch.zeros(1))
+    assert len(zero) == len(plain) > 10 and all(torch.equal(a, b) for a, b in zip(plain, zero))
+    # A nonzero weight adds weight x CE against prefix(next token) where there is one.
+    with torch.no_grad():
+        hidden = model.hidden(inputs, cu, (1, 2))
+        z = softcap(hidden @ model.lm_head.float(), CAP, SHIFT, TEMP)
+        prefix_ce = F.cross_entropy(z, model.prefix_table[targets], ignore_index=NO_TARGET, reduction="sum")
+    weighted = loss_and_grads(prefix_weight=0.5)
+    assert (model.prefix_table[targets] >= 0).sum() > 100  # GPT-2 ids: most tokens have a prefix token
+    # The difference of two fp32 totals of ~2,600 carries a few of their ulps (2.4e-4 each): far below 1e-4 of
+    # the ~700 term, while a term scored against the wrong targets would be off by tens.
+    torch.testing.assert_close(weighted[0] - plain[0], 0.5 * prefix_ce, rtol=1e-4, atol=0)
