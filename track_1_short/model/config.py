@@ -233,10 +233,10 @@ class ModelConfig:
     """The ReLU² MLP: "reference" (torch ops; Inductor fuses the square into its own elementwise kernels) or
     "fused" (the square, and in the backward its derivative, in the epilogue of a Triton GEMM:
     track_1_short/perf/kernels/relu2_mlp.py; bf16 compute, CUDA, or a CPU under TRITON_INTERPRET=1)."""
-    prefix_targets: bool = False
+    prefix_targets: bool = True
     """Build the prefix-token table (model/prefix_targets.py) so that the training loss can score every
     position also against prefix(next token), with the schedule's ``prefix_weights``; needs GPT-2's
-    vocabulary (vocab_size 50257), the ids the table maps."""
+    vocabulary (vocab_size 50257), the ids the table maps (model=tiny, on any vocabulary, leaves it off)."""
     loss_programs_per_sm: int = 0
     """The fused loss kernel's grid: 0 launches one program per row; k > 0 launches k programs per
     multiprocessor (one on a CPU) that stride over the rows, so fewer rows are in flight and the kernel's
