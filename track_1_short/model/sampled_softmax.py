@@ -86,7 +86,8 @@ def candidate_set(targets: Tensor, vocab: int, p: int, offset: Tensor | int) -> 
     free = ~marked[sweep]
     taken = free & (torch.cumsum(free, 0) <= wanted)
     chosen = marked.scatter(0, sweep, taken | marked[sweep])
-    # Each chosen class's place in ascending order; the others go to a spare slot past the end.
-    place = torch.where(chosen, torch.cumsum(chosen, 0) - 1, p).clamp(max=p)
-    out = torch.zeros(p + 1, dtype=torch.int64, device=device)
-    return out.scatter(0, place, j)[:p]
+    # Chosen classes first, in ascending order, then the others: a permutation, so the scatter writes every
+    # slot once (deterministic on any device) and its first p slots are the set.
+    n_chosen = torch.cumsum(chosen, 0)
+    place = torch.where(chosen, n_chosen - 1, n_chosen[-1] + j - n_chosen)
+    return torch.empty_like(j).scatter(0, place, j)[:p]
