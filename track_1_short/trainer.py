@@ -3,7 +3,8 @@
 :func:`run` is what ``python -m track_1_short.train`` calls once Hydra has composed the config; tests call it
 directly (in one process, or in every rank of a gloo group). One step:
 
-    plan = schedule.plan(step)             stage geometry, lr multiplier, rail beta, Adam or not, split
+    plan = schedule.plan(step)             stage geometry, lr multiplier, rail beta, Adam or not, split,
+                                           prefix weight, sampled-softmax P (scaled to the micro batch)
     accum x: loader.next_batch -> model -> (loss_sum / rank tokens).backward()
     opt.step(do_adam)                      reductions across ranks average the per-rank means
 
