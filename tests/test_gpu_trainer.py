@@ -96,6 +96,48 @@ def test_the_timed_loop_makes_no_graph_over_the_record_schedules_shapes(tmp_path
     assert warm and warm[0]["graphs"] == end["graphs"]
 
 
+def test_the_timed_loop_makes_no_graph_over_the_sampled_softmaxs_candidate_counts(tmp_path):
+    # Three stages of two micro-batch shapes with the sampled softmax's counts changing at stage boundaries
+    # and inside stage 2 (its thirds, as the record's), then the full softmax: each (shape, P) is a graph,
+    # all made in the warmup. 512 corpus words, so every micro batch's distinct targets fit P = 640.
+    stages = ",".join(
+        f"{{steps:6,batch_tokens:{b},max_doc_len:2048,window_short:1,window_long:3,sampled_candidates:{p}}}"
+        for b, p in ((32768, "[640]"), (49152, "[640]"), (49152, "[768,768,1024]"), (32768, "[0]"))
+    )
+    from hydra import compose, initialize_config_dir
+
+    from tests.test_train import CONFIGS
+
+    overrides = [
+        f"runs_root={tmp_path}",
+        "device=cuda",
+        "progress_bar=false",
+        f"schedule.stages=[{stages}]",
+        "schedule.rail_warmup_steps=4",
+        "schedule.rail_cooldown_steps=2",
+        "micro_batch_tokens=49152",
+        "data.val_tokens=65536",
+        "data.val_batch_tokens=65536",
+        "data.synthetic.n_words=512",
+        "data.synthetic.train_tokens=2097152",
+        "data.synthetic.val_tokens=65536",
+        "data.synthetic.shard_tokens=1048576",
+        "model.max_seq_len=65536",
+        "log_every=1",
+    ]
+    with initialize_config_dir(str(CONFIGS), version_base=None):
+        cfg = compose("train", overrides=overrides)
+    result = trainer.run(cfg)
+    ev = events(result.run_dir)
+    end = next(e for e in ev if e["event"] == "end")
+    assert end["status"] == "finished"
+    assert end["timed_loop_graphs"] == 0, end
+    warm = [e for e in ev if e["event"] == "phase" and e["name"] == "warmup"]
+    assert warm and warm[0]["graphs"] == end["graphs"]
+    # (32768, 640), (49152, 640), (49152, 768), (49152, 1024), (32768, full): five training graphs at least.
+    assert end["graphs"] >= 5, end
+
+
 def test_the_fused_replicated_adam_ends_a_deterministic_compiled_run_with_the_reference_bits(tmp_path):
     # deterministic=true makes the compiled CUDA run repeat itself bit for bit (fused twice: without it,
     # Inductor's atomic scatter-adds in the embedding backwards differ from run to run), which is what makes

@@ -18,12 +18,17 @@ from track_1_short.schedule import StageConfig
 
 STAGES = [
     StageConfig(steps=4, batch_tokens=512, max_doc_len=256, window_short=1, window_long=2, lr_mul=1.5,
-                mtp_weights=[1.0, 0.5], mtp_weights_end=[1.0, 0.0]),
-    StageConfig(steps=3, batch_tokens=512, max_doc_len=512, window_short=2, window_long=3, lr_mul=1.2),
+                mtp_weights=[1.0, 0.5], mtp_weights_end=[1.0, 0.0], sampled_candidates=[384]),
+    StageConfig(steps=3, batch_tokens=512, max_doc_len=512, window_short=2, window_long=3, lr_mul=1.2,
+                sampled_candidates=[512, 640, 0]),
     StageConfig(steps=1, batch_tokens=512, max_doc_len=512, window_short=2, window_long=3, lr_mul=1.0,
                 extension=True),
 ]  # fmt: skip
 SPLIT = 5
+# Prefix weights per stage, set once the trainer is built: this run's 1,024-id vocabulary is not GPT-2's, so
+# the run's checks would refuse them, and the model gets a stand-in table (the wiring is under test here,
+# not the table: tests/model/test_prefix_targets.py).
+PREFIX_WEIGHTS = [[0.25, 0.2], [0.15, 0.1, 0.05], [0.0]]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +39,14 @@ def recorded(tmp_path_factory):
     cfg.schedule.stages = STAGES
     cfg.schedule.split_embed_step = SPLIT
     cfg.schedule.rail_warmup_steps, cfg.schedule.rail_cooldown_steps = 3, 3
+    cfg.schedule.sampled_candidates_tokens = 256  # the micro batch's size: P as planned, not scaled
     t = build(cfg)
+    for stage, weights in zip(t.cfg.schedule.stages, PREFIX_WEIGHTS):
+        stage.prefix_weights = weights
+    vocab = t.model.topo.vocab_padded
+    stand_in = torch.where(torch.arange(vocab) % 3 == 0, -1, torch.arange(vocab) // 2)
+    t.model.register_buffer("prefix_table", stand_in, persistent=False)
+    t.model.cfg.prefix_targets = t.prefix_on = True
     calls: dict[str, list] = {
         "schedule": [],
         "step": [],
@@ -42,6 +54,7 @@ def recorded(tmp_path_factory):
         "window_types": [],
         "split_model": [],
         "split_opt": [],
+        "loss_fields": [],
     }
     current = {"step": None}
 
@@ -77,11 +90,12 @@ def recorded(tmp_path_factory):
     wrap(t.model, "split_embed", lambda: calls["split_model"].append(current["step"]))
 
     def recording(real_forward):
-        def forward(inputs, targets, cu_seqlens, windows, mtp_weights=None):
+        def forward(inputs, targets, cu_seqlens, windows, mtp_weights=None, **loss_fields):
             as_ints = tuple(int(w) for w in windows)
             calls["forward"].append((current["step"], as_ints, mtp_weights, inputs.numel()))
             calls["window_types"].append((current["step"], type(windows)))
-            return real_forward(inputs, targets, cu_seqlens, windows, mtp_weights)
+            calls["loss_fields"].append((current["step"], dict(loss_fields)))
+            return real_forward(inputs, targets, cu_seqlens, windows, mtp_weights, **loss_fields)
 
         return forward
 
@@ -138,6 +152,33 @@ def test_model_receives_the_planned_windows_and_mtp_weights_on_every_microbatch(
     assert kinds == {(False, torch.Tensor), (True, tuple)}, kinds
     val = [c for c in calls["forward"] if c[0] is None]
     assert val and all(w == schedule.val_windows(t.cfg.schedule) and m is None for _, w, m, _ in val)
+
+
+def test_model_receives_the_planned_prefix_weight_and_candidate_count_on_every_microbatch(recorded):
+    t, calls = recorded
+    train = [(step, f) for step, f in calls["loss_fields"] if step is not None]
+    plan_of = {p.step: p for p in plans(t)}
+    assert sorted({step for step, _ in train}) == list(range(t.total_steps))
+    for step, fields in train:
+        plan = plan_of[step]
+        # A device tensor, so that a compiled model takes every weight with one graph.
+        weight = fields["prefix_weight"]
+        assert isinstance(weight, torch.Tensor) and torch.equal(
+            weight.cpu(), torch.tensor([plan.prefix_weight])
+        )
+        assert fields.get("candidates", 0) == plan.sampled_candidates, step
+        assert ("sample_offset" in fields) == (plan.sampled_candidates > 0), step
+    # The run really varies both: five prefix weights and 0, three candidate counts and the full softmax.
+    assert len({float(f["prefix_weight"]) for _, f in train}) == 6
+    assert {f.get("candidates", 0) for _, f in train} == {384, 512, 640, 0}
+    # Each micro batch of a step starts its negatives elsewhere.
+    by_step: dict[int, list] = {}
+    for step, f in train:
+        if "sample_offset" in f:
+            by_step.setdefault(step, []).append(int(f["sample_offset"]))
+    assert by_step and all(len(set(o)) == len(o) == 2 for o in by_step.values())
+    # Validation forwards get neither.
+    assert all(f == {} for step, f in calls["loss_fields"] if step is None)
 
 
 def test_embedding_splits_in_model_and_optimizer_at_the_planned_step_only(recorded):

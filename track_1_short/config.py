@@ -316,6 +316,7 @@ def check_run(cfg: TrainConfig, world_size: int) -> None:
             "ids the model cannot embed. Pick a model preset built for this data (model=track1 for "
             "fineweb10B) or set model.vocab_size to at least the data's vocabulary."
         )
+    check_loss_schedule(cfg)
     for i, stage in enumerate(cfg.schedule.stages):
         accum = accumulation_steps(stage.batch_tokens, world_size, cfg.micro_batch_tokens)
         if stage.batch_tokens % world_size or stage.batch_tokens % (world_size * accum):
@@ -326,3 +327,30 @@ def check_run(cfg: TrainConfig, world_size: int) -> None:
                 f"Use a global batch divisible by {world_size * accum}, or another process count or "
                 "micro_batch_tokens."
             )
+
+
+def check_loss_schedule(cfg: TrainConfig) -> None:
+    """The schedule's prefix weights need GPT-2's ids and the model's table; its sampled softmax a vocabulary
+    the negatives' sweep covers."""
+    from track_1_short.model.sampled_softmax import check_vocabulary
+
+    stages = list(cfg.schedule.stages)
+    weighted = [i for i, s in enumerate(stages) if any(w > 0 for w in s.prefix_weights)]
+    if weighted:
+        where = f"schedule.stages[{weighted[0]}].prefix_weights"
+        vocabs = {"data.vocab_size": cfg.data.vocab_size, "model.vocab_size": cfg.model.vocab_size}
+        for name, vocab in vocabs.items():
+            if vocab != 50257:
+                raise ConfigError(
+                    f"{where} is nonzero, but {name}={vocab} is not GPT-2's 50257: the prefix table maps "
+                    "GPT-2 token ids. Use data with GPT-2's vocabulary or set the prefix weights to [0.0]."
+                )
+        if not cfg.model.prefix_targets:
+            raise ConfigError(
+                f"{where} is nonzero, but the model has no prefix table: set model.prefix_targets=true."
+            )
+    if any(p > 0 for s in stages for p in s.sampled_candidates):
+        try:
+            check_vocabulary(-(-cfg.model.vocab_size // cfg.model.vocab_multiple) * cfg.model.vocab_multiple)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None

@@ -10,6 +10,8 @@ of the stages:
 - the ANVIL fast-rail beta warms up from ``rail_beta_start`` to ``rail_beta_peak`` over
   ``rail_warmup_steps`` and cools down to ``rail_beta_end`` over the last ``rail_cooldown_steps`` steps;
 - Adam runs on steps with ``step % adam_every == adam_every - 1`` (the cadence lives in OptimConfig);
+- the prefix-token target's weight and the sampled softmax's candidate count are per stage, a list of values
+  that splits the stage into equal parts (upstream's stage-1 quarters and stage-2 thirds);
 - the tied embedding splits from lm_head after ``split_embed_step``: that step's update is still tied (as
   upstream's, which copies the moments to embed after its optimizer step), the next step's forward is untied.
 
@@ -47,6 +49,14 @@ class StageConfig:
     """Weights at the end of the stage, lerped linearly over it; empty = constant ``mtp_weights``."""
     extension: bool = False
     """An extension stage follows the main stages and trains at the lr floor (upstream's last 20 steps)."""
+    prefix_weights: list[float] = field(default_factory=lambda: [0.0])
+    """Weight of the prefix-token target (model/prefix_targets.py), one per equal part of the stage: upstream
+    [0.25] in stage 0, [0.20, 0.15, 0.10, 0.05] (its quarters) in stage 1, 0 after; needs
+    model.prefix_targets."""
+    sampled_candidates: list[int] = field(default_factory=lambda: [0])
+    """Candidates P of the sampled softmax (model/sampled_softmax.py), one per equal part of the stage, for
+    micro batches of ``ScheduleConfig.sampled_candidates_tokens``; 0 = the full softmax. Upstream [10240] in
+    stages 0 and 1, [14336, 14336, 24576] (its thirds) in stage 2, the full softmax after."""
 
 
 def _default_stages() -> list[StageConfig]:
@@ -76,6 +86,10 @@ class ScheduleConfig:
     split_embed_step + 1 is the first untied forward; -1 = never (upstream 1175, an Adam step)."""
     val_window_long: int = 0
     """Long window used by validation, in 128-token blocks; 0 = the last stage's (upstream extends to 20)."""
+    sampled_candidates_tokens: int = 49152
+    """The micro-batch size (tokens) the stages' ``sampled_candidates`` are set for (upstream's per-rank
+    49,152); a larger micro batch holds more distinct targets and gets P scaled up in proportion
+    (model/sampled_softmax.candidates_for)."""
 
     def __post_init__(self) -> None:
         validate(self)
@@ -104,6 +118,18 @@ def validate(cfg: ScheduleConfig) -> None:
             raise ValueError(f"{where}: mtp_weights_end must be empty or as long as mtp_weights.")
         if not s.mtp_weights or s.mtp_weights[0] <= 0:
             raise ValueError(f"{where}: mtp_weights must start with a positive next-token weight.")
+        if not s.prefix_weights or any(w < 0 for w in s.prefix_weights):
+            raise ValueError(
+                f"{where}: prefix_weights must be a non-empty list of weights >= 0 ([0.0]: none)."
+            )
+        if not s.sampled_candidates or any(p < 0 for p in s.sampled_candidates):
+            raise ValueError(
+                f"{where}: sampled_candidates must be a non-empty list of counts >= 0 ([0]: full softmax)."
+            )
+        if max(len(s.prefix_weights), len(s.sampled_candidates)) > s.steps:
+            raise ValueError(
+                f"{where}: prefix_weights and sampled_candidates have more parts than the stage steps."
+            )
         if s.extension:
             seen_extension = True
         elif seen_extension:
@@ -116,6 +142,8 @@ def validate(cfg: ScheduleConfig) -> None:
         raise ValueError(f"schedule.cooldown_frac={cfg.cooldown_frac} must lie in [0, 1].")
     if cfg.rail_warmup_steps < 0 or cfg.rail_cooldown_steps < 0:
         raise ValueError("schedule.rail_warmup_steps and rail_cooldown_steps must be >= 0.")
+    if cfg.sampled_candidates_tokens <= 0:
+        raise ValueError("schedule.sampled_candidates_tokens must be > 0 (upstream's micro batch: 49152).")
     if cfg.split_embed_step < -1:
         raise ValueError("schedule.split_embed_step must be -1 (never) or a step >= 0.")
 
@@ -197,6 +225,30 @@ def mtp_weights(cfg: ScheduleConfig, step: int) -> list[float]:
     return [float(a + (b - a) * t) for a, b in zip(start, stage.mtp_weights_end)]
 
 
+def _stage_part(cfg: ScheduleConfig, step: int, values) -> tuple[int, int]:
+    """(stage index, index into ``values(stage)``): a stage with n values splits into n equal parts, part
+    (step - start) * n // steps (upstream's candidate_count_at)."""
+    i = stage_index(cfg, step)
+    stage = _stages(cfg)[i]
+    return i, (step - stage_starts(cfg)[i]) * len(values(stage)) // stage.steps
+
+
+def prefix_weight(cfg: ScheduleConfig, step: int) -> float:
+    """The prefix-token target's loss weight at ``step``: its stage part's (constant within the part)."""
+    i, part = _stage_part(cfg, step, lambda s: s.prefix_weights)
+    return float(_stages(cfg)[i].prefix_weights[part])
+
+
+def sampled_candidates(cfg: ScheduleConfig, step: int) -> int:
+    """The sampled softmax's candidate count at ``step`` for the reference micro batch; 0 = full softmax."""
+    i, part = _stage_part(cfg, step, lambda s: s.sampled_candidates)
+    return int(_stages(cfg)[i].sampled_candidates[part])
+
+
+def uses_prefix(cfg: ScheduleConfig) -> bool:
+    return any(w > 0 for s in _stages(cfg) for w in s.prefix_weights)
+
+
 def embed_split(cfg: ScheduleConfig, step: int) -> bool:
     """True on the step at whose start the embedding unties from lm_head: the one after split_embed_step.
 
@@ -225,6 +277,8 @@ class StepPlan:
     do_adam: bool
     mtp_weights: tuple[float, ...]
     split_embed: bool
+    prefix_weight: float = 0.0  # the prefix-token target's weight
+    sampled_candidates: int = 0  # P for the reference micro batch (sampled_candidates_tokens); 0 = full
 
 
 def plan(cfg: ScheduleConfig, step: int, adam_every: int) -> StepPlan:
@@ -241,6 +295,8 @@ def plan(cfg: ScheduleConfig, step: int, adam_every: int) -> StepPlan:
         do_adam=do_adam(step, adam_every),
         mtp_weights=tuple(mtp_weights(cfg, step)),
         split_embed=embed_split(cfg, step),
+        prefix_weight=prefix_weight(cfg, step),
+        sampled_candidates=sampled_candidates(cfg, step),
     )
 
 
@@ -248,12 +304,16 @@ def warmup_steps(cfg: ScheduleConfig, adam_every: int) -> list[int]:
     """Steps whose shapes and branches the untimed warmup must exercise before the clock starts.
 
     Steps 0..adam_every (both Adam and non-Adam steps), two before to one after every stage transition (new
-    batch geometry, windows and MTP count), the last tied step and the three after it (a new forward).
+    batch geometry, windows and MTP count), the step before and the first step of every new sampled-softmax
+    count inside a stage (each P is its own graph), the last tied step and the three after it (a new forward).
     """
     n = total_steps(cfg)
     wanted = set(range(min(n, adam_every + 1)))
     for start in stage_starts(cfg)[1:]:
         wanted.update(range(start - 2, start + 2))
+    for s in range(1, n):
+        if sampled_candidates(cfg, s) != sampled_candidates(cfg, s - 1):
+            wanted.update((s - 1, s))
     if cfg.split_embed_step >= 0:
         wanted.update(range(cfg.split_embed_step, cfg.split_embed_step + 4))
     return sorted(s for s in wanted if 0 <= s < n)

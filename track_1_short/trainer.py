@@ -3,7 +3,8 @@
 :func:`run` is what ``python -m track_1_short.train`` calls once Hydra has composed the config; tests call it
 directly (in one process, or in every rank of a gloo group). One step:
 
-    plan = schedule.plan(step)             stage geometry, lr multiplier, rail beta, Adam or not, split
+    plan = schedule.plan(step)             stage geometry, lr multiplier, rail beta, Adam or not, split,
+                                           prefix weight, sampled-softmax P (scaled to the micro batch)
     accum x: loader.next_batch -> model -> (loss_sum / rank tokens).backward()
     opt.step(do_adam)                      reductions across ranks average the per-rank means
 
@@ -48,6 +49,7 @@ from track_1_short.config import ConfigError, TrainConfig, accumulation_steps, c
 from track_1_short.data import fixed_boundaries
 from track_1_short.frozen_gc import freeze_gc, restore_gc
 from track_1_short.guards import Guards
+from track_1_short.model import sampled_softmax
 from track_1_short.model.config import saved_model_config
 from track_1_short.optim.tail_average import TailAverages
 from track_1_short.optimizer_time import OptimizerTime
@@ -172,6 +174,8 @@ class Trainer:
         self.forward = self.model
         self._window_tensors: dict[tuple[int, int], torch.Tensor] = {}
         self.mtp_width = max(len(st.mtp_weights) for st in cfg.schedule.stages)
+        # The prefix term is in every training graph when the model has its table (weight 0 adds exact zeros).
+        self.prefix_on = cfg.model.prefix_targets
         self.compiled = device.type == "cuda" and cfg.compile
         if self.compiled:
             self.forward = torch.compile(self.model, dynamic=False)
@@ -350,10 +354,13 @@ class Trainer:
         ngram_batches = (
             self.ngram.batches(step) if self.ngram is not None else None
         )  # the cycle's, read ahead
-        for k in range(accum):
-            b = ngram_batches[k] if ngram_batches else self.loader.next_batch(micro, plan.max_doc_len)
+        extra = self._loss_fields(plan, micro)
+        for m in range(accum):
+            b = ngram_batches[m] if ngram_batches else self.loader.next_batch(micro, plan.max_doc_len)
             cu = fixed_boundaries(b.cu_seqlens, micro)
-            loss = self.forward(b.inputs, b.targets, cu, windows, mtp)
+            if extra.get("candidates"):
+                extra["sample_offset"] = self._sweep_offset(step, m, accum, extra["candidates"])
+            loss = self.forward(b.inputs, b.targets, cu, windows, mtp, **extra)
             if marks is not None:
                 marks("forward")
             (loss / scale).backward()
@@ -373,6 +380,29 @@ class Trainer:
             self.ngram.after_step(step, plan.lr_multiplier, applied)
         self.tokens_seen += plan.batch_tokens
         return loss_sum / (micro * accum)
+
+    def _loss_fields(self, plan, micro: int) -> dict:
+        """The step's prefix weight (a device tensor: no new graph when it changes) and the sampled softmax's
+        P for this micro-batch size (an int: one graph per value, each made in the warmup)."""
+        extra: dict = {}
+        if self.prefix_on:
+            weight = torch.tensor([plan.prefix_weight], dtype=torch.float32)
+            extra["prefix_weight"] = weight.to(self.device, non_blocking=True)
+        p = sampled_softmax.candidates_for(
+            plan.sampled_candidates,
+            micro,
+            self.cfg.schedule.sampled_candidates_tokens,
+            self.model.topo.vocab_padded,
+        )
+        if p:
+            extra["candidates"] = p
+        return extra
+
+    def _sweep_offset(self, step: int, micro_index: int, accum: int, p: int) -> torch.Tensor:
+        """Where this micro batch's negatives start: staggered over every rank's micro batches of the step."""
+        g, n = self.rank * accum + micro_index, self.world * accum
+        offset = sampled_softmax.sweep_offset(step, g, n, p, self.model.topo.vocab_padded)
+        return torch.tensor(offset, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def _window_tensor(self, windows) -> torch.Tensor:
         """The (short, long) windows as a device tensor, one per distinct pair (uploaded once)."""

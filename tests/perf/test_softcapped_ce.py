@@ -154,20 +154,24 @@ _COMPILE_FOR_H200 = textwrap.dedent(
     from triton.compiler import ASTSource
     from track_1_short.perf.kernels.softcapped_ce import BLOCK_GPU, _NUM_WARPS, _softcapped_ce_rows_kernel
 
-    ptr, scalars = {"tgt_ptr": "*i64", "coef_ptr": "*fp32", "row_weight_ptr": "*fp32", "loss_ptr": "*fp32"}, {
+    ptr = {"tgt_ptr": "*i64", "coef_ptr": "*fp32", "row_weight_ptr": "*fp32", "loss_ptr": "*fp32",
+           "p_tgt_ptr": "*i64", "p_coef_ptr": "*fp32"}
+    scalars = {
         "u_stride": "i32", "tgt_stride": "i32", "lo": "i32", "V": "i32", "cap": "fp32", "shift": "fp32",
         "inv_t": "fp32", "grad_scale": "fp32"}
     count = 0
     for is_bf16 in (True, False):
         for write_grad in (True, False):
-            consts = {"K": 3, "KP": 4, "IS_BF16": is_bf16, "WRITE_GRAD": write_grad, "BLOCK": BLOCK_GPU}
-            sig = {"u_ptr": "*i16" if is_bf16 else "*fp32", **ptr, **scalars}
-            sig.update(dict.fromkeys(consts, "constexpr"))
-            src = ASTSource(fn=_softcapped_ce_rows_kernel, signature=sig, constexprs=consts)
-            sm90 = GPUTarget("cuda", 90, 32)
-            compiled = triton.compile(src, target=sm90, options={"num_warps": _NUM_WARPS})
-            assert compiled.asm["cubin"], (is_bf16, write_grad)
-            count += 1
+            for has_prefix in (False, True):  # the prefix-token target's arm
+                consts = {"K": 3, "KP": 4, "IS_BF16": is_bf16, "WRITE_GRAD": write_grad, "BLOCK": BLOCK_GPU,
+                          "HAS_PREFIX": has_prefix}  # fmt: skip
+                sig = {"u_ptr": "*i16" if is_bf16 else "*fp32", **ptr, **scalars}
+                sig.update(dict.fromkeys(consts, "constexpr"))
+                src = ASTSource(fn=_softcapped_ce_rows_kernel, signature=sig, constexprs=consts)
+                sm90 = GPUTarget("cuda", 90, 32)
+                compiled = triton.compile(src, target=sm90, options={"num_warps": _NUM_WARPS})
+                assert compiled.asm["cubin"], (is_bf16, write_grad, has_prefix)
+                count += 1
     print(f"compiled {count} variants")
     """
 )
@@ -175,7 +179,7 @@ _COMPILE_FOR_H200 = textwrap.dedent(
 
 def test_the_kernel_compiles_for_the_h200_on_this_machine():
     proc = compile_outside_the_interpreter(_COMPILE_FOR_H200)
-    assert proc.returncode == 0 and "compiled 4 variants" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "compiled 8 variants" in proc.stdout, proc.stderr[-3000:]
 
 
 @gpu
@@ -195,3 +199,32 @@ def test_gpu_fused_loss_at_the_record_vocabulary_matches_the_reference(mtp):
     diff = (g_f.float() - g_r.float()).abs()
     assert torch.all(diff <= 2 * _bf16_ulp(g_r)), diff.max()
     assert (diff > 0).float().mean() < 0.01
+
+
+@gpu
+def test_gpu_fused_sampled_loss_with_the_prefix_term_matches_the_reference():
+    # The record's shapes in small: V = 50,304, P = 14,336 (stage 2), 4,096-row chunks, bf16, prefix targets.
+    from track_1_short.model.sampled_softmax import candidate_set
+
+    x, w, targets, mtp_t = _case(8192 + 77, 768, 50304, [1.0, 0.5, 0.25], torch.bfloat16, "cuda", seed=6)
+    w = w * 0.02
+    targets = targets % 11000  # ~11k distinct targets, upstream's count at this stage
+    g = torch.Generator().manual_seed(7)
+    prefix = torch.randint(-1, 50304, (targets.numel(),), generator=g).cuda()
+    cand = candidate_set(targets, 50304, 14336, 12345)
+    runs = {}
+    for impl in ("reference", "fused"):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = softcapped_cross_entropy_sum(
+            xx, ww, targets, mtp_t, CAP, SHIFT, TEMP, 4096, impl,
+            prefix_targets=prefix, prefix_weight=0.25, candidates=cand,
+        )  # fmt: skip
+        loss.backward()
+        runs[impl] = (loss.detach(), xx.grad.float(), ww.grad.float())
+    ref, fused = runs["reference"], runs["fused"]
+    # The bounds of the full-softmax GPU test above, for the same reasons.
+    torch.testing.assert_close(fused[0], ref[0], rtol=1e-5, atol=0)
+    assert _rel(fused[1], ref[1]) < 2e-3 and _rel(fused[2], ref[2]) < 2e-3
+    outside = torch.ones(50304, dtype=torch.bool, device="cuda")
+    outside[cand] = False
+    assert torch.all(fused[2][:, outside] == 0)

@@ -338,6 +338,10 @@ class ModelConfig:
     loss_impl: str = "auto"
     """The training loss between its GEMMs: "auto" (the fused Triton kernel on CUDA, the reference path
     elsewhere), "reference" (eager torch ops) or "fused" (on a CPU only under TRITON_INTERPRET=1)."""
+    prefix_targets: bool = True
+    """Build the prefix-token table (model/prefix_targets.py) so that the training loss can score every
+    position also against prefix(next token), with the schedule's ``prefix_weights``; needs GPT-2's
+    vocabulary (vocab_size 50257), the ids the table maps (model=tiny, on any vocabulary, leaves it off)."""
 
     # -- numerics and checks --
     compute_dtype: str = "bfloat16"
@@ -399,6 +403,11 @@ class ModelConfig:
             fail(f"loss_impl={self.loss_impl!r} must be one of {list(LOSS_IMPLS)}.")
         if not 0 < self.fp8.clip_report_fraction <= 1:
             fail(f"fp8.clip_report_fraction={self.fp8.clip_report_fraction} must be in (0, 1].")
+        if self.prefix_targets and self.vocab_size != 50257:
+            fail(
+                f"prefix_targets=true maps GPT-2's token ids, but vocab_size={self.vocab_size}; use data "
+                "with GPT-2's vocabulary (vocab_size 50257) or model.prefix_targets=false."
+            )
         n = self.num_layers
         lists = (
             "attn_layers",

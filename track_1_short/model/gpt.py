@@ -32,7 +32,9 @@ The record's endgame: canonical-token masking at the final validation (model/can
 sets ``canonical_mask`` for that one validation) and tail averaging of the weights before it
 (optim/tail_average.py).
 
-Out of scope (upstream has them, this model does not): the sampled softmax, the prefix-token auxiliary loss.
+The training loss may add a prefix-token target per position (model/prefix_targets.py, with
+``prefix_targets``) and run over a sampled candidate set of lm_head's columns (model/sampled_softmax.py); both
+come per step from the schedule, and evaluation forwards use neither.
 Deliberate differences: the smear gate and the partial key offset stop at document starts (upstream lets them
 read the previous document's last token), so no information crosses a document boundary;
 ``cross_document_lookback=true`` gives upstream's behaviour instead (on the CPU smoke record, seed 1: val
@@ -80,6 +82,8 @@ from track_1_short.model.layers import (
     yarn_rescale_,
 )
 from track_1_short.model.ngram import NgramTable, new_sign_pool, ngram_embedding, ngram_indices
+from track_1_short.model.prefix_targets import prefix_table
+from track_1_short.model.sampled_softmax import candidate_set
 
 
 def _unpack_lanes(gate: Tensor, lanes: dict[str, dict[int, tuple[int, int]]]) -> dict[str, dict[int, Tensor]]:
@@ -172,6 +176,9 @@ class GPT(nn.Module):
         )
         self.register_buffer("rope_windows", torch.full((2,), -1, dtype=torch.int64, device=build))
         self.register_buffer("embed_is_split", torch.zeros((), dtype=torch.bool, device=build))
+        if cfg.prefix_targets:  # derived from GPT-2's vocabulary, not trained: never in a checkpoint
+            table = torch.empty(vp, dtype=torch.int64, device="meta") if build == "meta" else prefix_table(vp)
+            self.register_buffer("prefix_table", table, persistent=False)
         self._rope_windows = [-1, -1]  # host mirror of rope_windows (no device sync per forward)
         self._embed_split = False
         self.register_load_state_dict_post_hook(GPT._sync_host_state)
@@ -512,6 +519,9 @@ class GPT(nn.Module):
         cu_seqlens: Tensor,
         windows,
         mtp_weights: list[float] | Tensor | None = None,
+        prefix_weight: float | Tensor | None = None,
+        candidates: int = 0,
+        sample_offset: int | Tensor = 0,
     ) -> Tensor:
         """Summed multi-token softcapped CE over the T tokens (fp32 0-D); mtp_weights None = [1.0] (plain CE).
 
@@ -522,6 +532,11 @@ class GPT(nn.Module):
         caller's ``follow_windows``, which the input checks verify), mtp_weights: weight of predicting t+1,
         t+2, ... (a list, or an fp32 [K] tensor on the model's device: a compiled model then takes new
         weights without a new graph).
+
+        Training forwards only (an evaluation forward ignores them): prefix_weight, the prefix-token target's
+        weight (a float, or an fp32 tensor on the model's device: no new graph when it changes; needs
+        ``prefix_targets``; None: no term); candidates, the sampled softmax's P (0: the full softmax; each P
+        is its own graph) with sample_offset, where its negatives' sweep starts (model/sampled_softmax.py).
         """
         mtp = [1.0] if mtp_weights is None else mtp_weights
         if self.cfg.check_inputs:
@@ -536,14 +551,29 @@ class GPT(nn.Module):
         evaluation = not (self.training and torch.is_grad_enabled())
         loss = softcapped_cross_entropy_eval_sum if evaluation else softcapped_cross_entropy_sum
         args = (cfg.logit_cap, cfg.logit_shift, cfg.logit_temperature, cfg.loss_chunk_rows)
-        if evaluation:
+        if evaluation:  # validation never samples and scores next tokens only
             if self.canonical_mask is not None:
                 return loss(hidden, self.lm_head, targets, mtp, *args, self.canonical_mask, inputs.long())
             return loss(hidden, self.lm_head, targets, mtp, *args)
         lm_fp8 = (
             (fp8.lm_head_input(hidden), fp8.lm_col) if fp8 is not None and cfg.fp8.lm_head else (None, None)
         )
-        return loss(hidden, self.lm_head, targets, mtp, *args, cfg.loss_impl, *lm_fp8)
+        extra = self._loss_targets(targets, prefix_weight, candidates, sample_offset)
+        return loss(hidden, self.lm_head, targets, mtp, *args, cfg.loss_impl, *lm_fp8, **extra)
+
+    def _loss_targets(self, targets: Tensor, prefix_weight, candidates: int, sample_offset) -> dict:
+        """The training loss's prefix targets and candidate set, as keyword arguments of the loss."""
+        extra: dict = {}
+        if prefix_weight is not None:
+            if not self.cfg.prefix_targets:
+                raise ValueError(
+                    "a prefix weight was given, but the model has no prefix table: set "
+                    "model.prefix_targets=true."
+                )
+            extra.update(prefix_targets=self.prefix_table[targets], prefix_weight=prefix_weight)
+        if candidates:
+            extra["candidates"] = candidate_set(targets, self.topo.vocab_padded, candidates, sample_offset)
+        return extra
 
     @torch.no_grad()
     def val_loss_sum(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, windows) -> Tensor:

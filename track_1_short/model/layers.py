@@ -148,10 +148,16 @@ def as_mtp_tensor(mtp_weights, device) -> Tensor:
     return torch.tensor([float(w) for w in mtp_weights], dtype=torch.float32, device=device)
 
 
-def _reference_block(x, weight, tgt, valid, w_k, row_weight, cap, shift, temperature, chunk_rows, need_grad):
+def _reference_block(
+    x, weight, tgt, valid, w_k, row_weight, cap, shift, temperature, chunk_rows, need_grad, prefix=None
+):
     """The per-chunk loss and logit gradient in eager torch ops over fp32 [rows, V] buffers (the reference
     the fused kernel must match): a function (l, lo, hi) -> (loss fp32 0-D, g like l or None) of the chunk's
-    logits l = x W; the softcap's argument is (l + shift) * (1 / temperature), formed in fp32."""
+    logits l = x W; the softcap's argument is (l + shift) * (1 / temperature), formed in fp32.
+
+    prefix: None, or (int64 [T] the prefix target's column, clamped where there is none; fp32 [T] its weight,
+    0 there): one more target per row, added apart from the K MTP terms, so that weight 0 adds exact zeros
+    (row_weight already counts it)."""
     # One set of [rows, V] buffers reused by every chunk: a fresh block per chunk would be a fresh mmap on the
     # CPU, and its page faults cost as much as the arithmetic.
     rows = min(chunk_rows, x.size(0))
@@ -172,6 +178,10 @@ def _reference_block(x, weight, tgt, valid, w_k, row_weight, cap, shift, tempera
         t_c, v_c = tgt[:, lo:hi].T, valid[:, lo:hi].T.float()  # [rows, K]
         s_t = s.gather(1, t_c)  # [rows, K]
         loss = ((lse[:, None] - cap * s_t) * v_c * w_k).sum()
+        if prefix is not None:
+            p_c, p_w = prefix[0][lo:hi, None], prefix[1][lo:hi]
+            s_p = s.gather(1, p_c)[:, 0]
+            loss = loss + ((lse - cap * s_p) * p_w).sum()
         if not need_grad:
             return loss, None
         # dLoss/dz = row_weight * softmax(z) - sum_k w_k onehot(target_k) (row_weight: all K weights, as
@@ -180,23 +190,37 @@ def _reference_block(x, weight, tgt, valid, w_k, row_weight, cap, shift, tempera
         # then g = q (1 - s) = q - q s, rounded once into the compute dtype.
         q = e.mul_(s).mul_((row_weight[lo:hi] * (cap / temperature) / sum_e)[:, None])
         q.scatter_add_(1, t_c, -(cap / temperature) * w_k * v_c * s_t)
+        if prefix is not None:
+            q.scatter_add_(1, p_c, (-(cap / temperature) * p_w * s_p)[:, None])
         return loss, torch.addcmul(q, q, s, value=-1.0, out=grad_buf[: hi - lo])
 
     return block
 
 
-def _fused_block(tgt, valid, w_k, row_weight, cap, shift, temperature, need_grad):
+def _fused_block(tgt, valid, w_k, row_weight, cap, shift, temperature, need_grad, prefix=None):
     """The per-chunk loss and logit gradient as one Triton kernel over the GEMM's output, the gradient
-    written over it (track_1_short/perf/kernels/softcapped_ce.py): the same contract as _reference_block."""
+    written over it (track_1_short/perf/kernels/softcapped_ce.py): the same contract as _reference_block,
+    prefix included."""
     from track_1_short.perf.kernels.softcapped_ce import softcapped_ce_rows_
 
     targets_kt = tgt.contiguous()
     coef = (valid.float() * w_k[:, None]).contiguous()  # [K, T]: target k's weight, 0 past the batch's end
     row_weight = row_weight.float().contiguous()
+    if prefix is not None:
+        prefix = (prefix[0].contiguous(), prefix[1].float().contiguous())
 
     def block(logits: Tensor, lo: int, hi: int) -> tuple[Tensor, Tensor | None]:
         loss_rows = softcapped_ce_rows_(
-            logits, targets_kt, coef, row_weight, lo, cap, shift, temperature, need_grad
+            logits,
+            targets_kt,
+            coef,
+            row_weight,
+            lo,
+            cap,
+            shift,
+            temperature,
+            need_grad,
+            prefix=prefix,
         )
         return loss_rows.sum(), (logits if need_grad else None)
 
@@ -209,6 +233,9 @@ def _softcapped_ce_sum(
     weight: Tensor,
     targets: Tensor,
     mtp_weights: Tensor,
+    prefix_targets: Tensor,
+    prefix_weight: Tensor,
+    candidates: Tensor,
     cap: float,
     shift: float,
     temperature: float,
@@ -229,21 +256,43 @@ def _softcapped_ce_sum(
     impl "reference": eager torch ops over fp32 [rows, V] buffers; "fused": one Triton kernel per chunk
     between the same GEMMs (track_1_short/perf/kernels/softcapped_ce.py, which says what it saves and how
     closely it agrees). x_fp8, weight_fp8: the logits GEMM in FP8 from these copies (model/fp8.py).
+
+    prefix_targets int64 [T] (a token id or -1 per row) with prefix_weight fp32 [1]: the prefix term; both
+    empty: none. candidates int64 [P]: the sampled softmax's columns of weight (model/sampled_softmax.py),
+    every target among them; empty: the full softmax.
     """
     # x [T, D] (compute dtype), weight [D, V], targets int64 [T], mtp_weights fp32 [K].
     num_tokens, k = x.size(0), mtp_weights.numel()
     w_k = mtp_weights.float()
     valid, row_weight = mtp_row_weights(w_k, num_tokens)
+    sampled = candidates.numel() > 0
+    if sampled:
+        # Targets become positions in the candidate set: the block then sees a P-wide vocabulary.
+        column_of = _candidate_positions(candidates, weight.size(1))
+        targets = column_of[targets]
+        _check_targets_are_candidates(targets, candidates.numel())
+        full_weight, weight = weight, weight[:, candidates]  # [D, P]: all the logits and gradient touch
+        if weight_fp8 is not None:  # the FP8 copy is lm_head.T, [V, D]: the candidates are its rows
+            weight_fp8 = weight_fp8[candidates]
     # targets[t + k] for every k, clamped where invalid (their weight is zeroed instead): [K, T]
     idx = (
         torch.arange(num_tokens, device=x.device)[None, :] + torch.arange(k, device=x.device)[:, None]
     ).clamp(max=num_tokens - 1)
     tgt = targets[idx]
+    prefix = None
+    if prefix_targets.numel():
+        p_tgt = prefix_targets
+        if sampled:  # a prefix target outside the candidate set is dropped for its row (upstream's rule)
+            p_tgt = torch.where(p_tgt >= 0, column_of[p_tgt.clamp(min=0)], p_tgt)
+        has = p_tgt >= 0
+        p_coef = has.float() * prefix_weight.float()
+        prefix = (p_tgt.clamp(min=0), p_coef)
+        row_weight = row_weight + p_coef  # the normaliser counts the prefix weight where the row has one
     if impl == "fused":
-        block = _fused_block(tgt, valid, w_k, row_weight, cap, shift, temperature, need_grad)
+        block = _fused_block(tgt, valid, w_k, row_weight, cap, shift, temperature, need_grad, prefix=prefix)
     else:
         block = _reference_block(
-            x, weight, tgt, valid, w_k, row_weight, cap, shift, temperature, chunk_rows, need_grad
+            x, weight, tgt, valid, w_k, row_weight, cap, shift, temperature, chunk_rows, need_grad, prefix
         )
     weight_c = weight.to(x.dtype)
     total = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -278,7 +327,27 @@ def _softcapped_ce_sum(
         else:
             grad_w.add_(torch.mm(xc.T, g, out=grad_w_part))
     grad_w = grad_w.to(weight.dtype) if need_grad else weight.new_empty(0)
+    if sampled and need_grad:
+        # Exact over the candidates, zero elsewhere: the dense [D, V] gradient the optimizer expects.
+        grad_w = torch.zeros_like(full_weight).index_copy_(1, candidates, grad_w)
     return total, grad_x, grad_w
+
+
+def _candidate_positions(candidates: Tensor, vocab: int) -> Tensor:
+    """int64 [V]: each column's position in the candidate set, -1 where it is not a candidate."""
+    out = torch.full((vocab,), -1, dtype=torch.int64, device=candidates.device)
+    return out.index_copy_(0, candidates, torch.arange(candidates.numel(), device=candidates.device))
+
+
+def _check_targets_are_candidates(positions: Tensor, p: int) -> None:
+    """A target outside the candidate set would be scored against nothing: stop the run instead."""
+    if positions.is_cuda:  # no host sync on the GPU: the device raises at its next synchronisation
+        torch._assert_async(positions.min() >= 0, "sampled softmax: a target is missing from the candidates")
+    elif int(positions.min()) < 0:
+        raise ValueError(
+            f"sampled softmax: the micro batch holds more distinct targets than its {p} candidates; raise "
+            "the stage's sampled_candidates or lower micro_batch_tokens."
+        )
 
 
 @_softcapped_ce_sum.register_fake
@@ -287,6 +356,9 @@ def _softcapped_ce_sum_fake(
     weight,
     targets,
     mtp_weights,
+    prefix_targets,
+    prefix_weight,
+    candidates,
     cap,
     shift,
     temperature,
@@ -311,7 +383,7 @@ def _softcapped_ce_backward(ctx, grad_out, _grad_x_out, _grad_w_out):
     # The loss is a sum: backward only scales the gradients the forward stored by the incoming scalar.
     grad_x, grad_w = ctx.saved_tensors
     g = grad_out.to(torch.float32)
-    return (grad_x * g.to(grad_x.dtype), grad_w * g.to(grad_w.dtype)) + (None,) * 11
+    return (grad_x * g.to(grad_x.dtype), grad_w * g.to(grad_w.dtype)) + (None,) * 13
 
 
 _softcapped_ce_sum.register_autograd(_softcapped_ce_backward, setup_context=_softcapped_ce_setup)
@@ -385,6 +457,10 @@ def softcapped_cross_entropy_sum(
     impl: str = "reference",
     x_fp8: Tensor | None = None,
     weight_fp8: Tensor | None = None,
+    *,
+    prefix_targets: Tensor | None = None,
+    prefix_weight: Tensor | float = 0.0,
+    candidates: Tensor | None = None,
 ) -> Tensor:
     """Summed multi-token softcapped CE of hidden states x [T, D] against lm_head ``weight`` [D, V]; fp32 0-D.
 
@@ -401,17 +477,34 @@ def softcapped_cross_entropy_sum(
     impl: one of LOSS_IMPLS; "auto" is "fused" on CUDA, "reference" elsewhere (the interpreter runs the
     kernel on a CPU, but slower than the eager ops). x_fp8 [T, D], weight_fp8 [V, D]: the e4m3 copies of x and
     lm_head.T that the logits GEMM then reads (model/fp8.py); the gradient GEMMs stay in x's dtype.
+
+    prefix_targets (int64 [T], a token id or -1) and prefix_weight (a float or an fp32 tensor): row t is also
+    scored against prefix_targets[t] with that weight where it is >= 0 (model/prefix_targets.py), and the
+    softmax normaliser's weight of that row grows by it (upstream's S_w); weight 0 gives the loss and the
+    gradients without the term, bitwise. candidates (int64 [P], ascending, model/sampled_softmax.py): the
+    softmax runs over these columns of ``weight`` only, and the weight gradient is zero outside them; None:
+    over all V.
     """
     if impl not in LOSS_IMPLS:
         raise ValueError(f"loss impl {impl!r} must be one of {list(LOSS_IMPLS)} (model.loss_impl).")
     if impl == "auto":
         impl = "fused" if x.is_cuda else "reference"
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    empty = torch.empty(0, dtype=torch.int64, device=x.device)
+    if prefix_targets is None:
+        prefix_targets, prefix_w = empty, empty.float()
+    elif isinstance(prefix_weight, Tensor):
+        prefix_w = prefix_weight.to(device=x.device, dtype=torch.float32).reshape(1)
+    else:
+        prefix_w = torch.tensor([float(prefix_weight)], dtype=torch.float32, device=x.device)
     loss, _, _ = _softcapped_ce_sum(
         x,
         weight,
         targets,
         as_mtp_tensor(mtp_weights, x.device),
+        prefix_targets,
+        prefix_w,
+        empty if candidates is None else candidates,
         cap,
         shift,
         temperature,

@@ -10,6 +10,13 @@ first), and per row computes with u = (l + shift) * (1 / temperature), s = sigmo
   sum_e, minus (cap / temperature) x c_k x s[t_k] at each target t_k, g = q (1 - s), computed as q - q s (the
   reference's rounding order).
 
+With a prefix target (HAS_PREFIX: the prefix-token term of model/prefix_targets.py) the row has one more
+target column p with its own coefficient c_p (the prefix weight, 0 where the row has none): the loss adds
+c_p (lse - z[p]) and the gradient c_p's one-hot term at p, apart from the K-vector so that c_p = 0 adds exact
+zeros (bitwise the loss without the term; row_weight then carries the prefix weight too, as upstream's S_w).
+The sampled softmax (model/sampled_softmax.py) runs this same kernel on a [rows, P] block of the candidates'
+logits, its targets given as positions among the candidates: one kernel family for both.
+
 Two passes over the row (the sum, then the gradient) read l twice and write g once: about 3 x 2 bytes per
 logit in bf16, where the reference (model/layers.py, eager torch ops over fp32 [rows, V] buffers) moves about
 60. The one-hot terms touch K columns of the row: the second pass writes every column without them, and after
@@ -73,11 +80,14 @@ def _ce_row(
     shift,
     inv_t,
     grad_scale,
+    p_tgt_ptr,
+    p_coef_ptr,
     K: tl.constexpr,
     KP: tl.constexpr,
     IS_BF16: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
 ):
     # One row's loss and, with WRITE_GRAD, its gradient over its logits (the kernel's arguments below).
     row_ptr = u_ptr + tl.cast(row, tl.int64) * u_stride  # rows x V passes 2^31 at the record's chunk
@@ -91,6 +101,12 @@ def _ce_row(
     t_vec = tl.load(tgt_ptr + ks * tgt_stride + col, mask=kmask, other=0)
     c_vec = tl.load(coef_ptr + ks * tgt_stride + col, mask=kmask, other=0.0)
     s_t = _load_sigmoid(row_ptr, t_vec, kmask, shift, inv_t, IS_BF16)
+    if HAS_PREFIX:
+        # The prefix target: one more column with its own coefficient (0 where the row has none, its column
+        # then clamped to 0), kept apart from the K-vector so that a zero weight adds exact zeros only.
+        p_t = tl.load(p_tgt_ptr + col)
+        p_c = tl.load(p_coef_ptr + col)
+        s_p = _load_sigmoid(row_ptr, p_t, True, shift, inv_t, IS_BF16)
 
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, V, BLOCK):
@@ -100,7 +116,10 @@ def _ce_row(
         acc += tl.where(mask, tl.exp(cap * s - cap), 0.0)
     sum_e = tl.sum(acc, axis=0)
     lse = cap + tl.log(sum_e)
-    tl.store(loss_ptr + row, tl.sum(tl.where(kmask, c_vec * (lse - cap * s_t), 0.0), axis=0))
+    row_loss = tl.sum(tl.where(kmask, c_vec * (lse - cap * s_t), 0.0), axis=0)
+    if HAS_PREFIX:
+        row_loss += p_c * (lse - cap * s_p)
+    tl.store(loss_ptr + row, row_loss)
 
     if WRITE_GRAD:
         scale = tl.math.div_rn(tl.load(row_weight_ptr + col) * grad_scale, sum_e)
@@ -121,12 +140,25 @@ def _ce_row(
         tl.debug_barrier()
         d_vec = tl.where(kmask, -grad_scale * c_vec * s_t, 0.0)
         d_sum = tl.sum(tl.where(t_vec[:, None] == t_vec[None, :], d_vec[None, :], 0.0), axis=1)
+        if HAS_PREFIX:
+            # A column that is both an MTP target and the prefix target takes both one-hot terms; both
+            # stores below then write the same value.
+            d_p = -grad_scale * p_c * s_p
+            d_sum += tl.where(t_vec == p_t, d_p, 0.0)
+            d_p += tl.sum(tl.where(t_vec == p_t, d_vec, 0.0), axis=0)
+            q_p = tl.exp(cap * s_p - cap) * s_p * scale + d_p
+            g_p = q_p - q_p * s_p
         q_t = tl.exp(cap * s_t - cap) * s_t * scale + d_sum
         g_t = q_t - q_t * s_t
         if IS_BF16:
             tl.store(row_ptr + t_vec, round_to_bf16_bits(g_t), mask=kmask)
         else:
             tl.store(row_ptr + t_vec, g_t, mask=kmask)
+        if HAS_PREFIX:
+            if IS_BF16:
+                tl.store(row_ptr + p_t, round_to_bf16_bits(g_p))
+            else:
+                tl.store(row_ptr + p_t, g_p)
 
 
 @triton.jit
@@ -144,14 +176,42 @@ def _softcapped_ce_rows_kernel(
     shift,
     inv_t,  # 1 / temperature (fp32)
     grad_scale,  # cap / temperature
+    p_tgt_ptr,  # int64 [tgt_stride]: the prefix target of row r at column lo + r (0 where it has none)
+    p_coef_ptr,  # fp32 [tgt_stride]: the prefix weight where row r has a prefix target, else 0
     K: tl.constexpr,
     KP: tl.constexpr,  # K rounded up to a power of two (Triton's vector sizes)
     IS_BF16: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
 ):
-    args = (u_ptr, u_stride, tgt_ptr, coef_ptr, row_weight_ptr, loss_ptr, tgt_stride, lo, V, cap, shift)
-    _ce_row(tl.program_id(0), *args, inv_t, grad_scale, K, KP, IS_BF16, WRITE_GRAD, BLOCK)
+    args = (
+        u_ptr,
+        u_stride,
+        tgt_ptr,
+        coef_ptr,
+        row_weight_ptr,
+        loss_ptr,
+        tgt_stride,
+        lo,
+        V,
+        cap,
+        shift,
+        inv_t,
+    )
+    _ce_row(
+        tl.program_id(0),
+        *args,
+        grad_scale,
+        p_tgt_ptr,
+        p_coef_ptr,
+        K,
+        KP,
+        IS_BF16,
+        WRITE_GRAD,
+        BLOCK,
+        HAS_PREFIX,
+    )
 
 
 def softcapped_ce_rows_(
@@ -167,6 +227,7 @@ def softcapped_ce_rows_(
     *,
     block: int | None = None,
     num_warps: int = _NUM_WARPS,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Per-row losses (fp32 [rows]) of the logit block ``u`` [rows, V], the rows lo .. lo + rows of the batch.
 
@@ -176,7 +237,9 @@ def softcapped_ce_rows_(
     row_weight fp32 [T] (the softmax normaliser weight of every row). All on u's device.
 
     block, num_warps: the columns of a loop iteration (None: BLOCK_GPU on CUDA, the whole row under the
-    interpreter) and the warps of a program.
+    interpreter) and the warps of a program. prefix: (int64 [T] prefix target, clamped to a column; fp32 [T]
+    its weight, 0 where the row has none), or None for no prefix term. The row_weight passed in already counts
+    the prefix weight.
     """
     rows, vocab = u.shape
     k = targets.size(0)
@@ -190,6 +253,9 @@ def softcapped_ce_rows_(
     if block is None:
         block = BLOCK_GPU if on_gpu else min(BLOCK_INTERPRETER, triton.next_power_of_2(vocab))
     grid = (rows,)
+    if prefix is not None and not (prefix[0].is_contiguous() and prefix[1].is_contiguous()):
+        raise ValueError("softcapped_ce_rows_: the prefix targets and weights must be contiguous [T] tensors")
+    p_tgt, p_coef = prefix if prefix is not None else (targets, coef)  # unread without HAS_PREFIX
     _softcapped_ce_rows_kernel[grid](
         u.view(torch.int16) if is_bf16 else u,
         u.stride(0),
@@ -204,11 +270,14 @@ def softcapped_ce_rows_(
         float(shift),
         1.0 / float(temperature),
         float(cap) / float(temperature),
+        p_tgt,
+        p_coef,
         K=k,
         KP=max(2, triton.next_power_of_2(k)),
         IS_BF16=is_bf16,
         WRITE_GRAD=write_grad,
         BLOCK=block,
+        HAS_PREFIX=prefix is not None,
         num_warps=num_warps,
     )
     return loss
