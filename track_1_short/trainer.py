@@ -337,7 +337,10 @@ class Trainer:
         for k in range(accum):
             b = ngram_batches[k] if ngram_batches else self.loader.next_batch(micro, plan.max_doc_len)
             cu = fixed_boundaries(b.cu_seqlens, micro)
-            loss = self.forward(b.inputs, b.targets, cu, windows, mtp)
+            # The n-gram rows are looked up here and enter as tensors: the compiled forward traces their
+            # embedding, with no graph break on the lookup (the table-off graph count).
+            ngram = {"ngram": self.model.ngram_rows(b.inputs, cu)} if self.ngram is not None else {}
+            loss = self.forward(b.inputs, b.targets, cu, windows, mtp, **ngram)
             if marks is not None:
                 marks("forward")
             # Per-token mean over this rank's step, or (loss_sum_ranks N) the sum over batch/N tokens; the
