@@ -360,7 +360,10 @@ class Trainer:
             cu = fixed_boundaries(b.cu_seqlens, micro)
             if extra.get("candidates"):
                 extra["sample_offset"] = self._sweep_offset(step, m, accum, extra["candidates"])
-            loss = self.forward(b.inputs, b.targets, cu, windows, mtp, **extra)
+            # The n-gram rows are looked up here and enter as tensors: the compiled forward traces their
+            # embedding, with no graph break on the lookup (the table-off graph count).
+            ngram = {"ngram": self.model.ngram_rows(b.inputs, cu)} if self.ngram is not None else {}
+            loss = self.forward(b.inputs, b.targets, cu, windows, mtp, **extra, **ngram)
             if marks is not None:
                 marks("forward")
             (loss / scale).backward()

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from tests.model.conftest import load_config, packed_batch
 from track_1_short.model.config import ModelConfigError, NgramConfig
@@ -242,3 +243,44 @@ def test_bad_configs_and_a_missing_table_are_refused():
     with pytest.raises(RuntimeError, match="did not fetch"):
         model(inputs, targets, cu, (1, 2))
     assert copy.deepcopy(model).ngram_table is not None
+
+
+def _graphs_and_grads(model, table, inputs, targets, cu, lookup_outside: bool):
+    """(graphs compiled for one training forward and backward, the table's row gradient, the loss)."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(model, backend=counter, dynamic=False)
+    table.pull([model.ngram_indices(inputs, cu)[0]])
+    ngram = {"ngram": model.ngram_rows(inputs, cu)} if lookup_outside else {}
+    loss = compiled(inputs, targets, cu, (1, 2), **ngram)
+    loss.backward()
+    rows, grads = table.row_grads()
+    torch._dynamo.reset()
+    return counter.frame_count, (rows, grads), loss.detach()
+
+
+@pytest.mark.slow
+def test_a_lookup_outside_the_compiled_forward_leaves_its_graph_whole():
+    """The trainer looks the rows up before the compiled forward (model.ngram_rows) and passes them in: the
+    forward then makes as many graphs as the model without the table (a lookup inside splits it), and its
+    loss and row gradient are those of the lookup inside, bitwise (the same ops, moved)."""
+    cfg = load_config("tiny", **tiny_ngram())
+    torch.manual_seed(5)
+    model = GPT(cfg)
+    table = NgramTable(cfg.ngram)
+    table.shard.copy_(torch.randn_like(table.shard, dtype=torch.float32))
+    model.attach_ngram(table)
+    inputs, targets, cu = packed_batch([200, 56], vocab=2000)
+    outside = _graphs_and_grads(model, table, inputs, targets, cu, lookup_outside=True)
+    model.zero_grad(set_to_none=True)
+    inside = _graphs_and_grads(model, table, inputs, targets, cu, lookup_outside=False)
+    torch.manual_seed(5)
+    off = GPT(load_config("tiny", compute_dtype="float32", mudd_gate_lanes=10))
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    torch.compile(off, backend=counter, dynamic=False)(inputs, targets, cu, (1, 2)).backward()
+    torch._dynamo.reset()
+    assert outside[0] == counter.frame_count
+    assert inside[0] > counter.frame_count  # the break this avoids: the test can tell
+    assert torch.equal(outside[2], inside[2])
+    assert torch.equal(outside[1][0], inside[1][0]) and torch.equal(outside[1][1], inside[1][1])

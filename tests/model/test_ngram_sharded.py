@@ -175,6 +175,9 @@ def _cuda_worker(rank: int, world: int):
 
 @pytest.mark.gpu
 @pytest.mark.slow
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason=f"needs 2 CUDA devices, {torch.cuda.device_count()} visible"
+)
 def test_sharded_table_on_two_nccl_ranks_equals_world_size_one():
     """The same exchange through NCCL (counts on the device); the reference on one CPU process."""
     results = run_ranks(_cuda_worker, 2, device="cuda")

@@ -269,16 +269,27 @@ class GPT(nn.Module):
         start = lookback_starts(document_starts(cu_seqlens, t), self.cfg.cross_document_lookback)
         return ngram_indices(inputs, start, self.cfg.ngram)
 
-    @torch.compiler.disable
-    def _ngram(self, tokens: Tensor, doc_start: Tensor) -> Tensor:
-        """The n-gram embedding [T, ngram.dim] of a batch (the table's dtype), read through the cache."""
+    def ngram_rows(self, inputs: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+        """(cached rows [2T, ngram.dim], sign rows [2T]) of a batch, for :meth:`forward`'s ``ngram``: the hash
+        and the cache lookup (a search and data-dependent checks a compiler cannot trace) run here, outside a
+        compiled forward, and the gradient still lands on the table's sink."""
+        rows, signs = self.ngram_indices(inputs, cu_seqlens)
+        return self._attached_table().lookup(rows, check=self.cfg.check_inputs), signs
+
+    def _attached_table(self) -> NgramTable:
         if self.ngram_table is None:
             raise ModelConfigError(
                 "model.ngram.enabled=true but no n-gram table is attached: build an NgramTable and call "
                 "model.attach_ngram(table), then pull the batch's rows (or set model.ngram.enabled=false)."
             )
+        return self.ngram_table
+
+    @torch.compiler.disable
+    def _ngram(self, tokens: Tensor, doc_start: Tensor) -> Tensor:
+        """The n-gram embedding [T, ngram.dim] of a batch (the table's dtype), read through the cache (the
+        path of a forward given no ``ngram``: validation, tests; a graph break if compiled)."""
         rows, signs = ngram_indices(tokens, doc_start, self.cfg.ngram)
-        looked_up = self.ngram_table.lookup(rows, check=self.cfg.check_inputs)
+        looked_up = self._attached_table().lookup(rows, check=self.cfg.check_inputs)
         return ngram_embedding(looked_up, self.ngram_sign_pool, signs)
 
     # -- host-side state --
@@ -522,6 +533,7 @@ class GPT(nn.Module):
         prefix_weight: float | Tensor | None = None,
         candidates: int = 0,
         sample_offset: int | Tensor = 0,
+        ngram: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """Summed multi-token softcapped CE over the T tokens (fp32 0-D); mtp_weights None = [1.0] (plain CE).
 
@@ -531,7 +543,9 @@ class GPT(nn.Module):
         then takes every stage's windows with one graph; a training forward leaves the rotary state to the
         caller's ``follow_windows``, which the input checks verify), mtp_weights: weight of predicting t+1,
         t+2, ... (a list, or an fp32 [K] tensor on the model's device: a compiled model then takes new
-        weights without a new graph).
+        weights without a new graph), ngram: the batch's n-gram rows and sign rows as :meth:`ngram_rows` reads
+        them outside the forward (a compiled model then traces the n-gram embedding instead of breaking its
+        graph on the lookup), or None to read them here.
 
         Training forwards only (an evaluation forward ignores them): prefix_weight, the prefix-token target's
         weight (a float, or an fp32 tensor on the model's device: no new graph when it changes; needs
@@ -544,7 +558,7 @@ class GPT(nn.Module):
             self.check_inputs(inputs, targets, cu_seqlens, windows, listed)
         if self.training and torch.is_grad_enabled() and not isinstance(windows, Tensor):
             self.follow_windows(windows)  # a training step, not an evaluation (a tensor: the caller's job)
-        hidden = self.hidden(inputs, cu_seqlens, windows)
+        hidden = self.hidden(inputs, cu_seqlens, windows, ngram)
         cfg, fp8 = self.cfg, self._fp8_now()
         # An evaluation forward scores its logits with upstream's validation numerics (softcap in the compute
         # dtype, then fp32 CE); a training forward with the chunked fused loss (fp32 softcap).
@@ -630,8 +644,11 @@ class GPT(nn.Module):
         deltas = torch.einsum("tm,kgm->tkg", hid, self.mudd_w2g[:n].type_as(x)) * s
         return coefs, deltas
 
-    def hidden(self, inputs: Tensor, cu_seqlens: Tensor, windows) -> Tensor:
-        """The final normed hidden states [T, D] (compute dtype) of one packed batch."""
+    def hidden(
+        self, inputs: Tensor, cu_seqlens: Tensor, windows, ngram: tuple[Tensor, Tensor] | None = None
+    ) -> Tensor:
+        """The final normed hidden states [T, D] (compute dtype) of one packed batch; ``ngram`` as
+        :meth:`forward`'s."""
         cfg, topo, cd = self.cfg, self.topo, self.compute_dtype
         t, d, h, hd, L = inputs.numel(), cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.num_layers
         last = L - 1
@@ -666,7 +683,10 @@ class GPT(nn.Module):
             lanes = _unpack_lanes(self._gate(x0, 0), topo.pre_lanes)
         x_ng = None
         if cfg.ngram.enabled:
-            x_ng = self._ngram(tokens, doc_start).to(cd)
+            if ngram is None:
+                x_ng = self._ngram(tokens, doc_start).to(cd)
+            else:  # gather, sign multiply and sum: plain tensor ops the compiler fuses into the forward
+                x_ng = ngram_embedding(ngram[0], self.ngram_sign_pool, ngram[1]).to(cd)
             if 0 in lanes["ngram"]:  # layer 0's injection comes before the loop: it is part of cache[0]
                 x = _add_ngram(x, x_ng, lanes["ngram"][0])
 
