@@ -129,6 +129,8 @@ def test_unknown_group_option_fails_at_compose_time():
         ("checkpoint.every=-1", "checkpoint.every"),
         ("micro_batch_tokens=-5", "micro_batch_tokens"),
         ("checkpoint.every=3", "multiple of optim.adam_every"),
+        # The default run has 176 steps: a cadence of the run's length or more would write nothing.
+        ("checkpoint.every=176", "writes no checkpoint in a run of 176 steps"),
     ],
 )
 def test_impossible_run_fields_raise_config_error(override, match):
