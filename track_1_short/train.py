@@ -144,6 +144,16 @@ def cli() -> None:
     """Refuse unknown keys in every override form first, then run; Hydra's own errors exit 2 as ours do."""
     from track_1_short.config import ConfigError, check_override_keys
 
+    args = sys.argv[1:]
+    # The schema's field docs (track_1_short/help.py), not Hydra's dump of the composed YAML.
+    if "--help" in args or "-h" in args:
+        from track_1_short import help as cli_help
+
+        print(cli_help.render(CONFIGS))
+        sys.exit(0)
+    if "--cfg" in args and "--resolve" not in args:  # show the values the run will use, not ${...}
+        sys.argv.append("--resolve")
+
     try:
         check_override_keys(_overrides(), _groups())
     except ConfigError as e:
