@@ -504,6 +504,8 @@ class Trainer:
                         n,
                         loss=step_loss,
                         lr_multiplier=schedule.lr_multiplier(cfg.schedule, done - 1),
+                        # Above 1 the loss is the MTP-weighted sum over targets, not next-token loss.
+                        mtp_weight_sum=sum(schedule.mtp_weights(cfg.schedule, done - 1)),
                         tokens_seen=self.tokens_seen,
                         train_time_ms=elapsed,
                         step_avg_ms=elapsed / done,
