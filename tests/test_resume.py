@@ -104,7 +104,7 @@ class _Capture:
         return type("Out", (), {"err": ""})()
 
 
-def _continues_bitwise(capsys, monkeypatch, argv: list[str], run_dir: Path, reference: Path) -> None:
+def _continues_bitwise(capsys, monkeypatch, argv: list[str], run_dir: Path, reference: Path) -> str:
     code, err = _cli(capsys, monkeypatch, argv)
     assert code == 0, err[-3000:]
     assert f"resumed at step 2 of 6 from {run_dir / 'checkpoints' / 'step_000002.pt'}" in err
@@ -112,6 +112,7 @@ def _continues_bitwise(capsys, monkeypatch, argv: list[str], run_dir: Path, refe
     got, want = _figures(run_dir), _figures(reference)
     assert got[1] == want[1] and got[0].keys() == set(range(1, 7))
     assert got[0] == want[0]  # every step's loss, the ones after the resumption included
+    return err
 
 
 @pytest.mark.parametrize("mode", ["crash", "interrupt", "nan"])
@@ -141,7 +142,14 @@ def test_each_stop_prints_a_command_that_continues_the_run_bitwise(
     argv = _printed_command(err)
     if mode == "nan":  # the run's own config injects the NaN again: an allowed override turns it off
         argv.append("fault_injection.nan_grad_step=-1")
-    _continues_bitwise(capsys, monkeypatch, argv, run_dir, reference)
+    err = _continues_bitwise(capsys, monkeypatch, argv, run_dir, reference)
+    # What the resumed run changed over its config.yaml is said on screen; nothing, when nothing was given.
+    applied = [ln for ln in err.splitlines() if ln.startswith("resume: the settings of")]
+    assert applied == (
+        [f"resume: the settings of {run_dir / 'config.yaml'}, with fault_injection.nan_grad_step=-1"]
+        if mode == "nan"
+        else []
+    )
 
 
 def test_a_killed_run_is_named_by_the_next_start_with_a_command_that_continues_it_bitwise(

@@ -22,6 +22,7 @@ import json
 import os
 import shlex
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,7 @@ def follow(asked: DictConfig, overrides: list[str], groups: list[str]) -> DictCo
     file, owner, saved = found
     where = f"{owner / 'config.yaml'}"
     refused: list[str] = []
+    applied: list[str] = []
     parser = OverridesParser.create()
     for text in overrides:
         (override,) = parser.parse_overrides([text])
@@ -131,6 +133,7 @@ def follow(asked: DictConfig, overrides: list[str], groups: list[str]) -> DictCo
                 refused.append(f"{text} (the run has {key}={_show(OmegaConf.select(saved, key))})")
             continue
         OmegaConf.update(saved, key, value, merge=False)
+        applied.append(text)
     if refused:
         raise ConfigError(
             f"resume={asked.resume} continues the run in {owner} with the settings in {where}; the seed, "
@@ -140,6 +143,9 @@ def follow(asked: DictConfig, overrides: list[str], groups: list[str]) -> DictCo
         )
     for key in BOOKKEEPING:
         saved[key] = asked[key]
+    if applied and os.environ.get("RANK", "0") == "0":
+        # config.yaml keeps the run's start; the resumed run's start event in events.jsonl records these.
+        print(f"resume: the settings of {where}, with {' '.join(applied)}", file=sys.stderr)
     return saved
 
 
