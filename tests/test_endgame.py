@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.faults_runs import run_route, short_cfg
-from track_1_short import data, trainer
+from track_1_short import corpus, trainer
 from track_1_short.config import ConfigError, to_object
 from track_1_short.model import canonical_mask, layers
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _shards_cfg(runs_root: str, *overrides: str):
     """The short config on its small corpus read as shards (data.kind=shards), as a FineWeb run reads."""
-    corpus = Path(data.run_paths(to_object(short_cfg(runs_root)).data)["val"]).parent
+    corpus = Path(corpus.run_paths(to_object(short_cfg(runs_root)).data)["val"]).parent
     return short_cfg(runs_root, "data.kind=shards", f"data.dir={corpus}", *overrides)
 
 

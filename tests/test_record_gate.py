@@ -283,7 +283,9 @@ def test_plot_is_a_png_of_the_expected_size(tmp_path, capsys):
     write_plot(run_gate(runs), alone)
     for path in (with_base, alone):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert imread(path).shape[:2] == (572, 1760)  # figsize 16 x 5.2 in at 110 dpi
+    assert imread(with_base).shape[:2] == (572, 1760)  # figsize 16 x 5.2 in at 110 dpi
+    # No intermediate val losses: the curve panels are left out, not drawn empty (two panels of 16 / 3.5 in).
+    assert imread(alone).shape[:2] == (572, 1005)
 
 
 @pytest.mark.slow
@@ -530,3 +532,60 @@ def test_a_resumed_run_directory_is_one_run_whose_superseded_steps_are_dropped(t
         assert run.finished and run.final_loss == 1.5
         assert run.curve == [(6, 1.5)]  # the killed run's val at step 5 is superseded
     assert len(record_gate.load_runs(tmp_path / "runs").scored) == 1
+
+
+# ---- the runs' configs: the target and one configuration per set -----------------------------------------
+
+
+def write_configured_set(runs: Path, losses: list[float], **changes: dict) -> Path:
+    """Finished run directories with a config.yaml each: the smoke preset's target, one seed a run;
+    ``changes`` maps a run's name to the settings it has differently."""
+    import yaml
+
+    for seed, loss in enumerate(losses):
+        name = f"seed{seed}"
+        config = {"seed": seed, "run_name": name, "runs_root": f"/tmp/root{seed}", "smoke_target": 6.55,
+                  "data": {"kind": "synthetic", "dir": f"/d{seed}"}, "optim": {"adam_lr": 0.008}}  # fmt: skip
+        for key, value in changes.get(name, {}).items():
+            section, _, leaf = key.rpartition(".")
+            (config.setdefault(section, {}) if section else config)[leaf or key] = value
+        write_events(runs / name, finished_events(loss, 1000 + seed, total=16))
+        (runs / name / "config.yaml").write_text(yaml.safe_dump(config))
+    return runs
+
+
+def test_the_target_is_the_runs_smoke_target_unless_given(tmp_path, capsys):
+    runs = write_configured_set(tmp_path / "runs", [6.4392, 6.4594, 6.4437, 6.4258, 6.4352])
+    code, out, _ = gate(capsys, runs)
+    assert code == EXIT_PASS, out
+    assert (
+        "below the target 6.55" in out and "note: target 6.55: smoke_target in the runs' config.yaml" in out
+    )
+    code, out, _ = gate(capsys, runs, "--target", "6.40")  # the flag wins
+    assert code == EXIT_FAIL and "target 6.4 " in out
+
+
+def test_runs_on_fineweb_without_a_smoke_target_use_the_record_target(tmp_path, capsys):
+    changes = {f"seed{i}": {"smoke_target": None, "data.kind": "shards"} for i in range(3)}
+    runs = write_configured_set(tmp_path / "runs", [3.2701, 3.2712, 3.2699], **changes)
+    code, out, _ = gate(capsys, runs)
+    assert code == EXIT_PASS and "below the target 3.28" in out and "for runs on FineWeb" in out
+
+
+def test_runs_with_no_target_anywhere_are_bad_input_naming_the_flag(tmp_path, capsys):
+    changes = {f"seed{i}": {"smoke_target": None} for i in range(3)}
+    runs = write_configured_set(tmp_path / "runs", [6.1, 6.2, 6.3], **changes)
+    assert "sets no smoke_target" in bad(tmp_path, capsys, runs) and "--target" in bad(tmp_path, capsys, runs)
+    assert gate(capsys, runs, "--target", "7.0")[0] == EXIT_PASS
+
+
+def test_runs_of_different_configurations_are_refused_naming_each_differing_key(tmp_path, capsys):
+    # Seeds, names, roots and data directories differ in every set; these two runs differ in more.
+    changes = {"seed1": {"optim.adam_lr": 0.004}, "seed2": {"smoke_target": 6.6}}
+    runs = write_configured_set(tmp_path / "runs", [6.43, 6.44, 6.45], **changes)
+    err = bad(tmp_path, capsys, runs)
+    assert "mixes configurations" in err and "differ in optim.adam_lr, smoke_target (only" in err
+    # The same as a baseline.
+    same = write_configured_set(tmp_path / "same", [6.43, 6.44, 6.45])
+    err = bad(tmp_path, capsys, same, "--baseline", runs)
+    assert err.startswith("record_gate: bad input: baseline") and "optim.adam_lr" in err

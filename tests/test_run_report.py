@@ -72,6 +72,49 @@ def test_compare_runs_overlays_runs_and_prints_their_figures_side_by_side(two_ru
     val_row = next(line for line in printed if line.startswith("final val loss"))
     assert val_row.split()[-2:] == [f"{r.val_loss:.4f}" for r in two_runs]
     assert compare_runs.main([str(two_runs[0].run_dir)]) == 2  # one run is nothing to compare
+    # Each run labelled by what sets it apart, and that difference printed.
+    assert "config difference:" in printed and "  seed: s0=0, s1=1" in printed
+    runs = [curves.read_curves(r.run_dir) for r in two_runs]
+    differ = curves.config_difference(runs)
+    assert list(differ) == ["seed"]  # run_name and runs_root are where a run lives
+    assert compare_runs.label(runs[1], 1, differ) == "s1 (seed=1)"
+
+
+def test_compare_runs_does_not_overwrite_a_plot_without_force(two_runs, tmp_path, capsys):
+    sys.path.insert(0, str(ROOT))
+    from tools import compare_runs
+
+    out = tmp_path / "compare.png"
+    out.write_bytes(b"mine")
+    dirs = [str(r.run_dir) for r in two_runs]
+    assert compare_runs.main([*dirs, "--out", str(out)]) == 2
+    assert "pass --force" in capsys.readouterr().err and out.read_bytes() == b"mine"
+    assert compare_runs.main([*dirs, "--out", str(out), "--force"]) == 0
+    assert png_size(out) == EXPECTED_PNG
+
+
+def _curves(train, mtp, val=(), total=100) -> curves.Curves:
+    return curves.Curves("r", train=list(train), mtp=dict(mtp), val=list(val), total_steps=total)
+
+
+def test_the_mtp_weighted_train_loss_is_drawn_apart_and_the_y_axis_fits_the_rest():
+    # Steps 1-20 carry a second target (weight sum 1.5): their loss is the weighted sum, above ln V.
+    train = [(s, 11.5 - 0.2 * s if s <= 20 else 3.0 - 0.01 * s) for s in range(1, 101)]
+    run = _curves(train, {s: 1.5 if s <= 20 else 1.0 for s in range(1, 101)}, val=[(100, 2.1)])
+    nexttoken, summed = curves.split_train(run)
+    assert [s for s, _ in summed] == list(range(1, 21)) and [s for s, _ in nexttoken] == list(range(21, 101))
+    low, high = curves.y_range([run], {"floor": 0.9, "unigram": 7.36})
+    assert low < 0.9 and 7.36 < high < 7.36 * 1.1  # the references and next-token losses, not the 11.5
+    # A run without logged weights (an older run) is next-token throughout, and its first 5% of steps are
+    # left out of the range.
+    old = _curves([(1, 10.8), (50, 3.0), (100, 2.0)], {})
+    assert curves.split_train(old) == (old.train, [])
+    assert curves.y_range([old], {})[1] < 3.1
+
+
+def test_the_trainer_logs_each_steps_mtp_weight_sum(two_runs):
+    run = curves.read_curves(two_runs[0].run_dir)
+    assert sorted(run.mtp) == [s for s, _ in run.train] and set(run.mtp.values()) == {1.0}  # one target
 
 
 def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command(tmp_path, monkeypatch):
@@ -85,11 +128,12 @@ def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command(tmp_path, monke
     monkeypatch.setattr(trainer.Trainer, "train_step", interrupted)
     with pytest.raises(RunInterrupted) as info:
         trainer.run(short_cfg(str(tmp_path), "checkpoint.every=2", "run_name=r"))
-    text = info.value.paragraph(["checkpoint.every=2", "run_name=r", "seed=0"])
+    text = info.value.paragraph()
     run_dir = tmp_path / "r"
     assert "\n" not in text and "interrupted at step 5 of 6" in text
     assert str(run_dir / "checkpoints" / "step_000004.pt") in text
-    assert text.endswith(f"python -m track_1_short.train resume={run_dir} checkpoint.every=2 seed=0")
+    # The run's settings are in its config.yaml: resume= alone continues it.
+    assert text.endswith(f"python -m track_1_short.train resume={run_dir}")
 
 
 def test_ctrl_c_without_a_checkpoint_says_the_run_cannot_be_continued(tmp_path, monkeypatch):
@@ -99,4 +143,4 @@ def test_ctrl_c_without_a_checkpoint_says_the_run_cannot_be_continued(tmp_path, 
     monkeypatch.setattr(trainer.Trainer, "train_step", interrupted)
     with pytest.raises(RunInterrupted) as info:
         trainer.run(short_cfg(str(tmp_path), "run_name=r"))
-    assert "No checkpoint was written" in info.value.paragraph([])
+    assert "No checkpoint was written" in info.value.paragraph()

@@ -376,6 +376,11 @@ def test_cli_run_keeps_the_summary_and_curves_and_never_writes_carriage_returns(
     out = _cli(*args)
     assert out.returncode == 0, out.stderr
     assert "\r" not in out.stderr  # stderr is a pipe here: no progress bar
+    # ... but the run directory is named before training, and plain progress lines come instead of the bar.
+    assert f"run directory: {tmp_path / 'cli'}" in out.stderr
+    progress = [line for line in out.stderr.splitlines() if line.startswith("progress: ")]
+    assert progress and progress[-1].startswith("progress: step 16/16 loss "), out.stderr
+    assert " tokens/s " in progress[-1] and " eta " in progress[-1]
     run_dir = tmp_path / "cli"
     summary = out.stdout.strip().splitlines()
     assert summary[0].startswith("final val loss") and "tokens/s" in summary[1]

@@ -1,10 +1,12 @@
 """Overlay the loss curves of two or more runs and print their final figures side by side.
 
-    python tools/compare_runs.py RUN_DIR RUN_DIR [...] [--out compare.png]
+    python tools/compare_runs.py RUN_DIR RUN_DIR [...] [--out compare.png] [--force]
 
 Each RUN_DIR is a run directory of this program (its events.jsonl). The plot is curves.png's (train loss per
 step, val losses) for every run on one set of axes, with the reference losses of the first run that recorded
-them (corpus entropy floor and unigram entropy, or the FineWeb target). Exit status: 0, or 2 for bad input.
+them (corpus entropy floor and unigram entropy, or the FineWeb target). Each run is labelled by its name and
+the settings in which its config.yaml differs from the others', and those differences are printed. An existing
+plot is not overwritten without --force. Exit status: 0, or 2 for bad input.
 """
 
 from __future__ import annotations
@@ -42,13 +44,40 @@ def table(runs: list[curves.Curves]) -> str:
     return "\n".join(lines)
 
 
+LABEL_KEYS = 3  # settings named in a run's plot label; the printed difference has them all
+
+
+def label(run: curves.Curves, i: int, differ: dict[str, list]) -> str:
+    """The run's name and the settings in which it differs from the others (seed first)."""
+    keys = sorted(differ, key=lambda k: (k != "seed", k))
+    shown = [f"{k}={differ[k][i]}" for k in keys[:LABEL_KEYS]]
+    more = " ..." if len(keys) > LABEL_KEYS else ""
+    return f"{run.name} ({', '.join(shown)}{more})" if shown else run.name
+
+
+def difference_lines(runs: list[curves.Curves], differ: dict[str, list]) -> str:
+    if not any(r.config for r in runs):
+        return "config difference: none recorded (no config.yaml in the run directories)"
+    if not differ:
+        return "config difference: none (the runs share every setting but where they live)"
+    lines = ["config difference:"]
+    for key, values in differ.items():
+        lines.append(f"  {key}: " + ", ".join(f"{r.name}={v}" for r, v in zip(runs, values)))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="compare_runs", description=__doc__.splitlines()[0])
     p.add_argument("runs", type=Path, nargs="+", help="run directories (two or more)")
     p.add_argument("--out", type=Path, default=Path("compare.png"), help="the PNG to write (%(default)s)")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     args = p.parse_args(argv)
     if len(args.runs) < 2:
         print("compare_runs: give two or more run directories.", file=sys.stderr)
+        return 2
+    if args.out.exists() and not args.force:
+        print(f"compare_runs: {args.out} exists; pass --force to overwrite it, or --out another path.",
+              file=sys.stderr)  # fmt: skip
         return 2
     try:
         runs = [curves.read_curves(d) for d in args.runs]
@@ -60,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         for r, d in zip(runs, args.runs):
             r.name = str(d)
     refs = next((r.summary["references"] for r in runs if r.summary.get("references")), {})
+    differ = curves.config_difference(runs)
     print(table(runs))
+    print(difference_lines(runs, differ))
+    for r in runs:
+        r.name = label(r, runs.index(r), differ)
     curves.plot(runs, refs, args.out, title="compare: " + ", ".join(r.name for r in runs))
     print(f"plot: {args.out}")
     return 0

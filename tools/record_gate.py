@@ -19,7 +19,12 @@ that name, and its ``step:M/M val_loss:X`` line carries the same loss. Runs that
 not finish are listed and excluded. A finished run whose final loss is not finite (nan, inf) diverged: it
 fails a candidate set and is left out of a baseline's statistics, with a note.
 
-    python tools/record_gate.py CANDIDATE_DIR [--baseline DIR] [--target 3.28] [--alpha 0.01]
+The target is the candidate runs' own: ``smoke_target`` from their ``config.yaml`` (the preset's), 3.28 for
+runs on FineWeb and for upstream logs, which have no config; ``--target`` overrides it. The runs of one set
+must repeat one configuration: configs that differ in more than the seed (and where a run lives) are refused,
+each differing key named.
+
+    python tools/record_gate.py CANDIDATE_DIR [--baseline DIR] [--target LOSS] [--alpha 0.01]
         [--systems-only] [--json PATH] [--markdown PATH] [--plot PATH]
 
 Exit status: 0 pass, 1 fail, 2 bad input (nothing can be decided); the reasons are printed.
@@ -73,6 +78,7 @@ class Run:
     final_time_ms: float | None  # train_time at that val, ms
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, val loss) of every val, in order
     not_finished: str | None = None  # why the run does not count; None when it finished
+    config: dict | None = None  # the run directory's config.yaml; None for upstream logs
 
     @property
     def finished(self) -> bool:
@@ -297,10 +303,89 @@ def _is_run_dir(path: Path) -> bool:
 
 
 def read_run_dir(path: Path) -> Run:
-    """One of this project's run directories: ``events.jsonl`` when present, else ``log.txt``."""
+    """One of this project's run directories: ``events.jsonl`` when present, else ``log.txt``; its
+    ``config.yaml`` too, when present (the target and the set's sameness come from it)."""
     if (path / "events.jsonl").is_file():
-        return read_events(path / "events.jsonl", path.name)
-    return read_text_log(path / "log.txt", path.name)
+        run = read_events(path / "events.jsonl", path.name)
+    else:
+        run = read_text_log(path / "log.txt", path.name)
+    run.config = read_config(path)
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The runs' configs: the target, and one configuration per set
+# ---------------------------------------------------------------------------------------------------------
+
+# Keys that may differ between the runs of one set: the seed (what repeats vary) and where a run lives or how
+# it reports, which change nothing it computes.
+BOOKKEEPING_KEYS = ("seed", "run_name", "runs_root", "resume", "progress_bar", "progress_seconds", "data.dir",
+                    "checkpoint.dir")  # fmt: skip
+
+
+def read_config(run_dir: Path) -> dict | None:
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return None
+    import yaml
+
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise RecordGateInputError(f"{path} cannot be read as YAML ({err}); fix or remove that run.") from err
+    if not isinstance(config, dict):
+        raise RecordGateInputError(f"{path} is not a mapping of settings; fix or remove that run.")
+    return config
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def config_differences(runs: list[Run]) -> list[str]:
+    """Dotted keys whose values differ between the runs' configs, bookkeeping keys left out."""
+    flats = [_flat(r.config) for r in runs if r.config is not None]
+    keys = sorted(set().union(*flats)) if flats else []
+    ignored = lambda k: any(k == b or k.startswith(b + ".") for b in BOOKKEEPING_KEYS)  # noqa: E731
+    return [k for k in keys if not ignored(k) and len({json.dumps(f.get(k)) for f in flats}) > 1]
+
+
+def check_one_config(run_set: RunSet, label: str) -> None:
+    """A set repeats one configuration: refuse runs whose configs differ in more than the seed."""
+    differ = config_differences(run_set.runs)
+    if differ:
+        more = f" and {len(differ) - 12} more" if len(differ) > 12 else ""
+        shown = ", ".join(differ[:12]) + more
+        raise RecordGateInputError(
+            f"{label} {run_set.directory} mixes configurations: its runs' config.yaml differ in {shown} "
+            "(only the seed and where a run lives may differ). A set must repeat one configuration; move the "
+            "odd runs out."
+        )
+
+
+def config_target(run_set: RunSet) -> tuple[float, str | None]:
+    """(target, where it came from) for a set: its preset's ``smoke_target``, 3.28 on FineWeb, or 3.28 (from
+    nowhere: None) for upstream logs, which have no config.yaml."""
+    configs = [r.config for r in run_set.runs if r.config is not None]
+    if not configs:
+        return DEFAULT_TARGET, None
+    config = configs[0]
+    target, kind = config.get("smoke_target"), (config.get("data") or {}).get("kind")
+    if target is not None:
+        return float(target), "smoke_target in the runs' config.yaml"
+    if kind == "shards":
+        return DEFAULT_TARGET, "the record's, for runs on FineWeb"
+    raise RecordGateInputError(
+        f"{run_set.directory}: the runs' config.yaml sets no smoke_target and their data is not FineWeb "
+        f"(data.kind={kind!r}), so there is no target to test against: pass --target LOSS."
+    )
 
 
 @dataclass
@@ -528,25 +613,34 @@ class GateResult:
 def run_gate(
     candidate_dir: Path,
     baseline_dir: Path | None = None,
-    target: float = DEFAULT_TARGET,
+    target: float | None = None,
     alpha: float = DEFAULT_ALPHA,
     systems_only: bool = False,
 ) -> GateResult:
-    """Read both sets, compute their statistics and decide. Raises RecordGateInputError on bad input."""
-    if not math.isfinite(target):
+    """Read both sets, compute their statistics and decide. Raises RecordGateInputError on bad input.
+    ``target`` None: the candidate runs' own (:func:`config_target`)."""
+    if target is not None and not math.isfinite(target):
         raise RecordGateInputError(f"--target must be a finite loss, got {target}.")
     if not 0.0 < alpha < 1.0:
         raise RecordGateInputError(f"--alpha must lie strictly between 0 and 1, got {alpha}.")
     if systems_only and baseline_dir is None:
         raise RecordGateInputError("--systems-only compares losses with a baseline: pass --baseline DIR.")
     candidate_runs = load_runs(Path(candidate_dir))
+    check_one_config(candidate_runs, "candidate")
+    target_note = None
+    if target is None:
+        target, source = config_target(candidate_runs)
+        if source is not None:
+            target_note = f"note: target {target}: {source} (--target overrides it)"
     candidate = set_statistics(candidate_runs, "candidate", target)
     baseline_runs = baseline = comparison = None
     if baseline_dir is not None:
         baseline_runs = load_runs(Path(baseline_dir))
+        check_one_config(baseline_runs, "baseline")
         baseline = set_statistics(baseline_runs, "baseline", target)
         comparison = compare(candidate, baseline)
     passed, reasons = decide(candidate, baseline, comparison, target, alpha, systems_only)
+    reasons += [target_note] if target_note else []
     return GateResult(
         passed=passed,
         reasons=reasons,
@@ -771,6 +865,9 @@ def _tick(s: SetStats) -> str:
     return f"{s.label}\n" + (f"{name} " if name != s.label else "") + f"({', '.join(counts)})"
 
 
+CURVELESS_FIGSIZE = (16 * 2 / 3.5, 5.2)  # the two per-run panels at the width they have beside the curves
+
+
 def write_plot(result: GateResult, path: Path) -> None:
     """Per-run final loss against the target, per-run time, and the val-loss curves; baseline left."""
     import matplotlib
@@ -782,10 +879,15 @@ def write_plot(result: GateResult, path: Path) -> None:
     if result.baseline is not None:
         sets.append((result.baseline, result.baseline_runs, "tab:gray"))
     sets.append((result.candidate, result.candidate_runs, "tab:blue"))
-    fig = plt.figure(figsize=(16, 5.2), layout="constrained")
-    grid = fig.add_gridspec(2, 3, width_ratios=[1, 1, 1.5], height_ratios=[1.2, 1])
+    # The curve panels only when some run logged intermediate val losses: an empty panel explains nothing.
+    has_curves = any(run.finished and len(run.curve) >= 2 for _, runs, _ in sets for run in runs.runs)
+    fig = plt.figure(figsize=(16, 5.2) if has_curves else CURVELESS_FIGSIZE, layout="constrained")
+    if has_curves:
+        grid = fig.add_gridspec(2, 3, width_ratios=[1, 1, 1.5], height_ratios=[1.2, 1])
+        ax_curve, ax_zoom = fig.add_subplot(grid[0, 2]), fig.add_subplot(grid[1, 2])
+    else:
+        grid = fig.add_gridspec(2, 2)
     ax_loss, ax_time = fig.add_subplot(grid[:, 0]), fig.add_subplot(grid[:, 1])
-    ax_curve, ax_zoom = fig.add_subplot(grid[0, 2]), fig.add_subplot(grid[1, 2])
     for i, (s, _, color) in enumerate(sets):
         xs = [i + dx for dx in _spread(s.n)]
         for ax, values, mean, std in ((ax_loss, s.losses, s.mean_loss, s.std_loss),
@@ -803,7 +905,8 @@ def write_plot(result: GateResult, path: Path) -> None:
         ax.set_xticks(range(len(sets)), [_tick(s) for s, _, _ in sets], fontsize=8)
         ax.set_xlim(-0.5, len(sets) - 0.5)
         ax.grid(axis="y", alpha=0.3)
-    _plot_curves(ax_curve, ax_zoom, sets, result.target)
+    if has_curves:
+        _plot_curves(ax_curve, ax_zoom, sets, result.target)
     mode = ", systems only" if result.systems_only else ""
     verdict = "PASS" if result.passed else "FAIL"
     fig.suptitle(f"record gate: {verdict} (target {result.target}, alpha {result.alpha}{mode})",
@@ -826,7 +929,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("candidate", type=Path, help="directory of the candidate's run logs")
     p.add_argument("--baseline", type=Path, help="directory of the baseline re-run's logs (same hardware)")
     p.add_argument(
-        "--target", type=float, default=DEFAULT_TARGET, help="val loss target (default %(default)s)"
+        "--target",
+        type=float,
+        default=None,
+        help="val loss target (default: the runs' smoke_target from their config.yaml; "
+        f"{DEFAULT_TARGET} on FineWeb and for upstream logs)",
     )
     p.add_argument(
         "--alpha", type=float, default=DEFAULT_ALPHA, help="significance level (default %(default)s)"

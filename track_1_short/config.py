@@ -116,7 +116,10 @@ class TrainConfig:
     on an error); false = the collector runs as Python schedules it. Results do not change; upstream's record
     freezes it the same way."""
     progress_bar: bool = True
-    """tqdm bar on rank 0 (loss, tokens/s, ETA)."""
+    """Progress on rank 0: a tqdm bar (loss, tokens/s, ETA) when stderr is a terminal, plain lines otherwise
+    (CI, nohup, tee: every log_every steps or progress_seconds, whichever comes first); false = neither."""
+    progress_seconds: float = 30.0
+    """Longest wait between two plain progress lines when stderr is not a terminal; 0 = by steps only."""
     smoke_target: float | None = None
     """Target val loss the record gate tests this preset's runs against; null = none (record: 3.28)."""
     canonical_mask: bool = False
@@ -130,6 +133,8 @@ class TrainConfig:
         for name in ("micro_batch_tokens", "val_every", "check_every", "loss_sum_ranks", "cpu_threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0.")
+        if self.progress_seconds < 0:
+            raise ConfigError(f"progress_seconds={self.progress_seconds} must be >= 0 (0 = by steps only).")
         if self.log_every < 1:
             raise ConfigError(f"log_every={self.log_every} must be >= 1.")
         if self.cpu_bf16_matmul not in CPU_BF16_MATMUL_SETTINGS:
@@ -157,6 +162,14 @@ class TrainConfig:
                 f"checkpoint.every={self.checkpoint.every} must be a multiple of optim.adam_every="
                 f"{self.optim.adam_every}: checkpoints are written after Adam steps, when no gradient is "
                 "pending."
+            )
+        steps = total_steps(self.schedule)
+        if self.checkpoint.every and self.checkpoint.every >= steps:
+            # One falls due after every `every` steps but the last (checkpoint.final covers the end).
+            raise ConfigError(
+                f"checkpoint.every={self.checkpoint.every} writes no checkpoint in a run of {steps} steps: "
+                f"use a multiple of optim.adam_every={self.optim.adam_every} below {steps}, or "
+                "checkpoint.final=true for one after the last step."
             )
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from track_1_short import checkpoint, data, distributed
+from track_1_short import checkpoint, data, distributed, resume
 from track_1_short.checkpoint import CheckpointError
 from track_1_short.model.config import saved_model_config
 
@@ -119,8 +119,9 @@ def check_checkpoint(cfg, total_steps: int) -> tuple[Path, dict]:
         raise CheckpointError(
             f"resume={cfg.resume}: these settings cannot change on resume, and differ from the run that "
             f"wrote {file}: {'; '.join(differ)}. The resumed run restores the model, its generators and its "
-            "step, so they would have no effect: drop those overrides (use the run's experiment and "
-            "settings), or start a new run."
+            "step, so they would have no effect. From the command line, resume=<run dir> alone continues the "
+            "run with the settings in its config.yaml; when the checkpoint has no run directory beside it, "
+            "give the experiment and the overrides the run was started with, or start a new run."
         )
     return file, meta
 
@@ -161,7 +162,7 @@ def plan_run_dir(cfg, resumed: tuple[Path, dict] | None) -> RunPlan:
         if holds_run(run_dir):
             raise RunDirError(
                 f"{run_dir} already holds a run (run_name={cfg.run_name}): a second one would mix into its "
-                f"logs. Choose another run_name=, or continue that run with resume={run_dir}."
+                f"logs. Choose another run_name=, or continue that run with: {resume.command(run_dir)}"
             )
         check_writable(run_dir, "the run directory")
         return RunPlan(run_dir, continuing=False, checkpoint=None)

@@ -9,8 +9,36 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from track_1_short import checkpoint, curves, distributed
+from track_1_short import checkpoint, curves, distributed, resume
 from track_1_short.run_log import RunLog
+
+
+class RunStop:
+    """Where a run that stopped early stands (Ctrl-C, a crash, a NaN stop) and how to continue it."""
+
+    def __init__(self, trainer=None) -> None:
+        self.run_dir = getattr(trainer, "run_dir", None)
+        self.step = getattr(trainer, "step", None)
+        self.total_steps = getattr(trainer, "total_steps", None)
+        self.world = getattr(trainer, "world", 1)
+        self.ckpt_dir = getattr(trainer, "ckpt_dir", None)
+        found = (
+            checkpoint.list_checkpoints(self.ckpt_dir)
+            if self.ckpt_dir is not None and self.ckpt_dir.is_dir()
+            else []
+        )
+        self.checkpoint = found[-1] if found else None
+
+    def continue_line(self) -> str | None:
+        """ "The last checkpoint is ...; continue the run ... with: <command>", or None without one."""
+        if self.run_dir is None or self.checkpoint is None:
+            return None
+        step = int(self.checkpoint.stem.split("_")[1])
+        cmd = resume.command(resume.target(self.run_dir, self.ckpt_dir), self.world)
+        return (
+            f"The last checkpoint is {self.checkpoint} (step {step}); continue the run in its directory "
+            f"(with the settings of its config.yaml) with: {cmd}"
+        )
 
 
 class RunInterrupted(Exception):
@@ -18,29 +46,20 @@ class RunInterrupted(Exception):
 
     def __init__(self, trainer=None) -> None:
         super().__init__("interrupted")
-        self.run_dir = getattr(trainer, "run_dir", None)
-        self.step = getattr(trainer, "step", None)
-        self.total_steps = getattr(trainer, "total_steps", None)
-        ckpt_dir = getattr(trainer, "ckpt_dir", None)
-        found = checkpoint.list_checkpoints(ckpt_dir) if ckpt_dir is not None and ckpt_dir.is_dir() else []
-        self.checkpoint = found[-1] if found else None
+        self.stop = RunStop(trainer)
 
-    def paragraph(self, overrides: list[str]) -> str:
-        if self.run_dir is None:
+    def paragraph(self) -> str:
+        s = self.stop
+        if s.run_dir is None:
             return "interrupted before the run started; nothing was trained."
-        where = f"interrupted at step {self.step} of {self.total_steps}; the run directory is {self.run_dir}."
-        if self.checkpoint is None:
+        where = f"interrupted at step {s.step} of {s.total_steps}; the run directory is {s.run_dir}."
+        line = s.continue_line()
+        if line is None:
             return (
                 f"{where} No checkpoint was written (checkpoint.every=0, or none was due yet), so this run "
                 "cannot be continued: start it again, with checkpoint.every=N to be able to resume."
             )
-        kept = [o for o in overrides if not o.lstrip("+~").startswith(("resume=", "run_name="))]
-        command = " ".join(["python -m track_1_short.train", f"resume={self.run_dir}", *kept])
-        step = int(self.checkpoint.stem.split("_")[1])
-        return (
-            f"{where} The last checkpoint is {self.checkpoint} (step {step}); "
-            f"continue the run in its directory with: {command}"
-        )
+        return f"{where} {line}"
 
 
 def summary_lines(result, tokens_per_s: float, plot: Path | None) -> list[str]:

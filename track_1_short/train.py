@@ -10,11 +10,14 @@ Exit status, one convention for every path (README "Exit status"):
     2    bad input, nothing ran: flags (ours or Hydra's: an unknown key, a wrong type, an unknown group
          option), data, checkpoint, run directory; one paragraph says what and how to fix it
     130  interrupted (Ctrl-C); the paragraph names the last checkpoint and the command that resumes
+Every stop that leaves a checkpoint (Ctrl-C, a crash, a NaN stop) ends with ``resume=<run dir>``, which
+continues the run with the settings of its own config.yaml (track_1_short/resume.py).
 Set HYDRA_FULL_ERROR=1 for the traceback.
 """
 
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -62,18 +65,22 @@ def _run_failures() -> tuple[type[BaseException], ...]:
     return (trainer.NonFiniteLossError, guards.NonFiniteGradError, guards.ReplicaDivergenceError)
 
 
-@hydra.main(config_path="../configs", config_name="train", version_base=None)
+# An absolute path: the same configs whether this runs as ``python -m``, as a module a test imports, or from
+# another working directory (Hydra reads a relative one against the calling module's package).
+@hydra.main(config_path=str(CONFIGS), config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
     global _entered_main
     _entered_main = True
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"  # Hydra's own switch for tracebacks
     try:
+        cfg = _follow_resume(cfg)
+        _note_stopped_runs(cfg)
         result = trainer.run(cfg)
     except run_report.RunInterrupted as e:
         if full_error:
             raise
         if distributed.is_main():
-            print(f"\n{e.paragraph(_overrides())}", file=sys.stderr)
+            print(f"\n{e.paragraph()}", file=sys.stderr)
         distributed.destroy()
         sys.exit(EXIT_INTERRUPTED)
     except (*_user_errors(), *_run_failures()) as e:
@@ -81,11 +88,52 @@ def main(cfg: DictConfig) -> None:
             raise
         if distributed.is_main():
             print(f"error: {e}", file=sys.stderr)
+            _say_how_to_continue(e)
         distributed.destroy()
         sys.exit(EXIT_FAILED if isinstance(e, _run_failures()) else EXIT_USER_ERROR)
+    except Exception as e:  # a crash: its traceback, then how to continue from the last checkpoint
+        if full_error:
+            raise
+        if distributed.is_main():
+            traceback.print_exc()
+            _say_how_to_continue(e)
+        distributed.destroy()
+        sys.exit(EXIT_FAILED)
     distributed.destroy()
     for line in result.summary:
         print(line)
+
+
+def _groups() -> list[str]:
+    return [p.name for p in CONFIGS.iterdir() if p.is_dir()]
+
+
+def _follow_resume(cfg: DictConfig) -> DictConfig:
+    """With ``resume=``: the run's own config.yaml, the command line's overrides checked against it."""
+    if not cfg.get("resume"):
+        return cfg
+    from hydra.core.hydra_config import HydraConfig
+
+    from track_1_short import resume
+
+    return resume.follow(cfg, list(HydraConfig.get().overrides.task), _groups())
+
+
+def _note_stopped_runs(cfg: DictConfig) -> None:
+    """A fresh start names the runs under runs_root that a kill left behind, and how to continue each."""
+    if cfg.get("resume") or os.environ.get("RANK", "0") != "0":
+        return
+    from track_1_short import resume
+
+    for stopped in resume.stopped_runs(cfg.runs_root):
+        print(f"note: {stopped.line()}", file=sys.stderr)
+
+
+def _say_how_to_continue(e: BaseException) -> None:
+    stop = getattr(e, "run_stop", None)
+    line = stop.continue_line() if stop is not None else None
+    if line is not None:
+        print(f"the run stopped at step {stop.step} of {stop.total_steps}. {line}", file=sys.stderr)
 
 
 def _overrides() -> list[str]:
@@ -96,9 +144,18 @@ def cli() -> None:
     """Refuse unknown keys in every override form first, then run; Hydra's own errors exit 2 as ours do."""
     from track_1_short.config import ConfigError, check_override_keys
 
-    groups = [p.name for p in CONFIGS.iterdir() if p.is_dir()]
+    args = sys.argv[1:]
+    # The schema's field docs (track_1_short/help.py), not Hydra's dump of the composed YAML.
+    if "--help" in args or "-h" in args:
+        from track_1_short import help as cli_help
+
+        print(cli_help.render(CONFIGS))
+        sys.exit(0)
+    if "--cfg" in args and "--resolve" not in args:  # show the values the run will use, not ${...}
+        sys.argv.append("--resolve")
+
     try:
-        check_override_keys(_overrides(), groups)
+        check_override_keys(_overrides(), _groups())
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)

@@ -40,6 +40,8 @@ from track_1_short import (
     distributed,
     endgame,
     preflight,
+    progress,
+    resume,
     run_log,
     run_report,
     schedule,
@@ -156,6 +158,7 @@ class Trainer:
         data_s = time.perf_counter() - t
         # Every file the run reads, the checkpoint and the run directory, before anything is built or written.
         self.plan = preflight.prepare(cfg, self.paths, self.total_steps)
+        self.phases.say(f"run directory: {self.plan.run_dir}")
 
         t = time.perf_counter()
         torch.manual_seed(cfg.seed)
@@ -320,6 +323,7 @@ class Trainer:
         self.train_time_ms = float(payload["meta"]["train_time_ms"])
         self.tokens_seen = int(payload["meta"]["tokens_seen"])
         run_log.mark_resumption(self.log, checkpoint.resolve(path), self.step, self.total_steps)
+        self.phases.say(f"resumed at step {self.step} of {self.total_steps} from {checkpoint.resolve(path)}")
 
     # -- one step --
     def train_step(self, step: int, marks=None) -> torch.Tensor:
@@ -514,7 +518,16 @@ class Trainer:
     def train(self) -> RunResult:
         cfg, n = self.cfg, self.total_steps
         check_every = cfg.check_every or (1 if self.device.type == "cpu" else cfg.log_every)
-        self.log.start(n, cfg.seed, self.resolved, world_size=self.world, start_step=self.step)
+        # The process and the checkpoint directory let a later start tell a killed run from a live one.
+        self.log.start(
+            n,
+            cfg.seed,
+            self.resolved,
+            world_size=self.world,
+            start_step=self.step,
+            checkpoint_dir=str(self.ckpt_dir),
+            **resume.process_tag(),
+        )
         self.log.text(f"run {self.run_dir} world_size {self.world} device {self.device} steps {n}")
         bar = tqdm(
             total=n,
@@ -524,6 +537,14 @@ class Trainer:
             disable=not (cfg.progress_bar and distributed.is_main() and sys.stderr.isatty()),
             unit="step",
             dynamic_ncols=True,
+        )
+        plain = progress.PlainProgress(
+            n,
+            self.step,
+            self.tokens_seen,
+            cfg.log_every,
+            cfg.progress_seconds,
+            enabled=bar.disable and cfg.progress_bar and distributed.is_main() and not sys.stderr.isatty(),
         )
         losses: list[float] = []
         val_loss = float("nan")
@@ -558,6 +579,8 @@ class Trainer:
                         n,
                         loss=step_loss,
                         lr_multiplier=schedule.lr_multiplier(cfg.schedule, done - 1),
+                        # Above 1 the loss is the MTP-weighted sum over targets, not next-token loss.
+                        mtp_weight_sum=sum(schedule.mtp_weights(cfg.schedule, done - 1)),
                         tokens_seen=self.tokens_seen,
                         train_time_ms=elapsed,
                         step_avg_ms=elapsed / done,
@@ -575,6 +598,7 @@ class Trainer:
                         tok_s=f"{(self.tokens_seen - last_tokens) / max(wall, 1e-9):,.0f}",
                     )
                     bar.update(done - bar.n)
+                    plain.update(done, step_loss, self.tokens_seen)
                 if want_val or want_ckpt:
                     _sync(self.device)
                     self.train_time_ms += 1e3 * (time.perf_counter() - t0)
@@ -590,6 +614,8 @@ class Trainer:
                         self.log.flush()
                     t0 = time.perf_counter()
         except BaseException as e:
+            why = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+            self.log.text(f"stopped at step:{self.step}/{n}: {why}")
             self.log.end(
                 self.step,
                 n,
@@ -636,6 +662,7 @@ class Trainer:
         if distributed.is_main():
             path = checkpoint.save(self.ckpt_dir, payload, keep_last=self.cfg.checkpoint.keep_last)
             self.log.text(f"checkpoint {path}")
+            self.log.flush()  # off the clock: a kill after this leaves the logs as far as the checkpoint
         distributed.barrier()
         return path
 
@@ -695,6 +722,9 @@ def run(cfg: DictConfig | TrainConfig) -> RunResult:
             result = trainer.train()
     except KeyboardInterrupt as e:
         raise run_report.RunInterrupted(trainer) from e
+    except Exception as e:
+        e.run_stop = run_report.RunStop(trainer)  # the entry point names the resume command
+        raise
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
     result.corpus = corpus_facts(trainer.paths)
