@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _shards_cfg(runs_root: str, *overrides: str):
     """The short config on its small corpus read as shards (data.kind=shards), as a FineWeb run reads."""
-    corpus = Path(corpus.run_paths(to_object(short_cfg(runs_root)).data)["val"]).parent
-    return short_cfg(runs_root, "data.kind=shards", f"data.dir={corpus}", *overrides)
+    shards = Path(corpus.run_paths(to_object(short_cfg(runs_root)).data)["val"]).parent
+    return short_cfg(runs_root, "data.kind=shards", f"data.dir={shards}", *overrides)
 
 
 def test_canonical_mask_on_the_synthetic_corpus_is_refused_in_one_line(tmp_path):
