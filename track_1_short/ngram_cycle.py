@@ -99,7 +99,8 @@ class NgramCycle:
         if not self.opt.due(step):
             return
         rows, grads = self.table.row_grads()
-        bad = torch.tensor([0.0 if bool(torch.isfinite(grads).all()) else 1.0], device=grads.device)
+        # on the device, so that the ranks' agreement and the decision cost one read to the host, not two
+        bad = (~torch.isfinite(grads).all()).float().reshape(1)
         distributed.all_reduce_max(bad)
         if bad.item():
             if self.cfg.guards.nan_policy == "stop":
