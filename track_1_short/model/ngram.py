@@ -17,9 +17,10 @@ Sharding: rank r owns rows [r * per_rank, (r + 1) * per_rank), per_rank = ceil(r
 shard's rows past ``rows`` are padding, never read (every hash lands below ``rows``). The table changes only
 at its optimizer's updates, so a cycle's rows (the steps up to and including one update) are pulled once:
 counts, then row ids, then the owners' rows, each one all-to-all through ``distributed``; the rows a rank owns
-are copied locally and never go on the wire. The forward reads the cache and adds a zeros leaf (the sink) of
-the batch's [2T, dim] rows, so the gradient lands on the sink. At the update the sinks' gradients are summed
-per cached row (fp32), sent back to the owners along the pull's routes, and summed per row in rank order.
+are copied locally and never go on the wire. The forward reads the batch's [2T, dim] rows from the cache into
+a fresh tensor made a leaf (the sink), so the gradient lands on it. At the update the sinks' gradients are
+summed per cached row (fp32), sent back to the owners along the pull's routes, and summed per row in rank
+order.
 """
 
 from __future__ import annotations
@@ -194,8 +195,8 @@ class NgramTable:
     # -- the forward --
 
     def lookup(self, row_ids: Tensor, check: bool = True) -> Tensor:
-        """The rows [2T, dim] of ``row_ids`` from the cache; in a training cycle under autograd, plus a zeros
-        sink that catches their gradient (folded into the cycle's sums by :meth:`fold_sinks`)."""
+        """The rows [2T, dim] of ``row_ids`` from the cache; in a training cycle under autograd, a leaf (the
+        sink) that catches their gradient (folded into the cycle's sums by :meth:`fold_sinks`)."""
         if self.want is None:
             raise RuntimeError(
                 "NgramTable.lookup: no rows were pulled; call pull() with this cycle's row ids first."
@@ -211,9 +212,10 @@ class NgramTable:
                 )
         rows = self.cache[slots]
         if torch.is_grad_enabled() and self.per_slot is not None:
-            sink = torch.zeros_like(rows, requires_grad=True)
-            self.sinks.append((slots, sink))
-            rows = rows + sink
+            # The gathered rows are a fresh tensor: as a leaf they catch their own gradient (a zeros leaf
+            # added to them would cost a [2T, dim] fill and add per forward for the same gradient).
+            rows.requires_grad_()
+            self.sinks.append((slots, rows))
         return rows
 
     # -- the cycle's gradient --
