@@ -159,8 +159,9 @@ def test_two_gloo_ranks_train_checkpoint_and_resume_on_one(tmp_path):
     assert t.ngram.opt.events == 2
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("policy", ["stop", "skip"])
-def test_a_non_finite_row_gradient_stops_or_skips_the_update(policy):
+def test_a_non_finite_row_gradient_stops_or_skips_the_update(policy, bad):
     """The table is sharded, so the replica checksum cannot see it: its update checks the merged row
     gradients instead (on every rank alike: one all-reduce of the flag)."""
     cfg = NgramConfig(enabled=True, rows=64, dim=4)
@@ -168,7 +169,7 @@ def test_a_non_finite_row_gradient_stops_or_skips_the_update(policy):
     cycle.table.shard.fill_(1.0)
     cycle.table.pull([torch.tensor([3, 5])])
     rows = cycle.table.lookup(torch.tensor([3, 5]))
-    (rows.float() * torch.tensor([[1.0], [float("nan")]])).sum().backward()
+    (rows.float() * torch.tensor([[1.0], [bad]])).sum().backward()
     before = cycle.table.shard.clone()
     if policy == "stop":
         with pytest.raises(FloatingPointError, match="n-gram table's row gradients"):

@@ -30,7 +30,7 @@ import torch
 from track_1_short import checkpoint, distributed, schedule
 from track_1_short.config import accumulation_steps
 from track_1_short.model.ngram import NgramTable
-from track_1_short.optim.ngram_adam import NgramAdam, ngram_cadence
+from track_1_short.optim.ngram_adam import NgramAdam, ngram_cadence, row_mean_sq
 
 SHARD_FORMAT = 1
 
@@ -99,7 +99,12 @@ class NgramCycle:
         if not self.opt.due(step):
             return
         rows, grads = self.table.row_grads()
-        bad = torch.tensor([0.0 if bool(torch.isfinite(grads).all()) else 1.0], device=grads.device)
+        # The update's row mean squares are non-finite exactly where a row's gradient holds NaN or inf (or
+        # squares past fp32's range, where the update would be lost anyway): checked on those [N] values, not
+        # on the [N, dim] gradient, and computed once for the update. Decided on the device, so that the
+        # ranks' agreement and the decision cost one read to the host.
+        mean_sq = row_mean_sq(grads)
+        bad = (~torch.isfinite(mean_sq).all()).float().reshape(1)
         distributed.all_reduce_max(bad)
         if bad.item():
             if self.cfg.guards.nan_policy == "stop":
@@ -110,7 +115,8 @@ class NgramCycle:
                 self.skipped_updates.append(step)
                 return
         _, beta2, wd_mul = ngram_cadence(self.cfg.optim, step, self.ncfg)
-        self.opt.update(rows, grads, lr=self.cfg.optim.adam_lr * lr_multiplier, beta2=beta2, wd_mul=wd_mul)
+        lr = self.cfg.optim.adam_lr * lr_multiplier
+        self.opt.update(rows, grads, lr=lr, beta2=beta2, wd_mul=wd_mul, mean_sq=mean_sq)
 
     def take_pull_ms(self) -> float:
         out, self.pull_s = 1e3 * self.pull_s, 0.0

@@ -284,3 +284,17 @@ def test_a_lookup_outside_the_compiled_forward_leaves_its_graph_whole():
     assert inside[0] > counter.frame_count  # the break this avoids: the test can tell
     assert torch.equal(outside[2], inside[2])
     assert torch.equal(outside[1][0], inside[1][0]) and torch.equal(outside[1][1], inside[1][1])
+
+
+def test_a_pull_refuses_row_ids_outside_the_table_and_takes_an_empty_one():
+    cfg = load_config("tiny", **tiny_ngram()).ngram
+    table = NgramTable(cfg)
+    for bad in (-1, cfg.rows):
+        with pytest.raises(ValueError, match=rf"row ids in \[{min(bad, 0)}, {max(bad, 5)}\] outside"):
+            table.pull([torch.tensor([0, 5, bad])])
+    table.pull([torch.tensor([cfg.rows - 1, 0])])  # both ends of the table are rows
+    assert table.want.tolist() == [0, cfg.rows - 1]
+    table.reset_cache()
+    table.pull([torch.zeros(0, dtype=torch.int64)])
+    rows, grads = table.row_grads()
+    assert rows.numel() == 0 and grads.shape == (0, cfg.dim)

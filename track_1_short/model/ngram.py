@@ -17,9 +17,10 @@ Sharding: rank r owns rows [r * per_rank, (r + 1) * per_rank), per_rank = ceil(r
 shard's rows past ``rows`` are padding, never read (every hash lands below ``rows``). The table changes only
 at its optimizer's updates, so a cycle's rows (the steps up to and including one update) are pulled once:
 counts, then row ids, then the owners' rows, each one all-to-all through ``distributed``; the rows a rank owns
-are copied locally and never go on the wire. The forward reads the cache and adds a zeros leaf (the sink) of
-the batch's [2T, dim] rows, so the gradient lands on the sink. At the update the sinks' gradients are summed
-per cached row (fp32), sent back to the owners along the pull's routes, and summed per row in rank order.
+are copied locally and never go on the wire. The forward reads the batch's [2T, dim] rows from the cache into
+a fresh tensor made a leaf (the sink), so the gradient lands on it. At the update the sinks' gradients are
+summed per cached row (fp32), sent back to the owners along the pull's routes, and summed per row in rank
+order.
 """
 
 from __future__ import annotations
@@ -164,12 +165,15 @@ class NgramTable:
         if carry is not None:
             ids.append(carry[0])
         want = torch.unique(torch.cat(ids)) if ids else torch.zeros(0, dtype=torch.int64, device=self.device)
-        if want.numel() and (int(want[0]) < 0 or int(want[-1]) >= self.cfg.rows):
+        # the shard cuts and the id range in one read to the host (one sync, not three)
+        bounds = torch.tensor(self.bounds, device=self.device)
+        host = torch.cat([torch.searchsorted(want, bounds), want[:1], want[-1:]]).tolist()
+        cuts = host[: self.world + 1]
+        if want.numel() and (host[-2] < 0 or host[-1] >= self.cfg.rows):
             raise ValueError(
-                f"NgramTable.pull: row ids in [{int(want[0])}, {int(want[-1])}] outside the table's "
+                f"NgramTable.pull: row ids in [{host[-2]}, {host[-1]}] outside the table's "
                 f"[0, {self.cfg.rows}); hash with the same model.ngram.rows."
             )
-        cuts = torch.searchsorted(want, torch.tensor(self.bounds, device=self.device)).tolist()
         lo, hi = cuts[self.rank], cuts[self.rank + 1]
         send_counts = [0 if r == self.rank else cuts[r + 1] - cuts[r] for r in range(self.world)]
         recv_counts = distributed.exchange_counts(send_counts, self.device)
@@ -178,7 +182,9 @@ class NgramTable:
         cache = self.shard.new_empty((want.numel(), self.cfg.dim))
         cache[:lo] = received[:lo]
         cache[hi:] = received[lo:]
-        cache[lo:hi] = self.shard[want[lo:hi] - self.first_row]
+        # gathered straight into the cache: no table-rows-sized temporary and copy (at world size 1 every
+        # row is local, so this is the whole cache)
+        torch.index_select(self.shard, 0, want[lo:hi] - self.first_row, out=cache[lo:hi])
         self.want, self.cache = want, cache
         self._routes = (lo, hi, send_counts, recv_counts, asked)
         if self._stash is None:  # a training cycle: its gradient starts here, or from the carried sums
@@ -189,8 +195,8 @@ class NgramTable:
     # -- the forward --
 
     def lookup(self, row_ids: Tensor, check: bool = True) -> Tensor:
-        """The rows [2T, dim] of ``row_ids`` from the cache; in a training cycle under autograd, plus a zeros
-        sink that catches their gradient (folded into the cycle's sums by :meth:`fold_sinks`)."""
+        """The rows [2T, dim] of ``row_ids`` from the cache; in a training cycle under autograd, a leaf (the
+        sink) that catches their gradient (folded into the cycle's sums by :meth:`fold_sinks`)."""
         if self.want is None:
             raise RuntimeError(
                 "NgramTable.lookup: no rows were pulled; call pull() with this cycle's row ids first."
@@ -206,9 +212,10 @@ class NgramTable:
                 )
         rows = self.cache[slots]
         if torch.is_grad_enabled() and self.per_slot is not None:
-            sink = torch.zeros_like(rows, requires_grad=True)
-            self.sinks.append((slots, sink))
-            rows = rows + sink
+            # The gathered rows are a fresh tensor: as a leaf they catch their own gradient (a zeros leaf
+            # added to them would cost a [2T, dim] fill and add per forward for the same gradient).
+            rows.requires_grad_()
+            self.sinks.append((slots, rows))
         return rows
 
     # -- the cycle's gradient --
@@ -243,6 +250,14 @@ class NgramTable:
         self.fold_sinks()
         lo, hi, send_counts, recv_counts, asked = self._routes
         per_slot = self.per_slot
+        if self.world == 1:
+            # Every row is local and appears once: the per-slot sums are the answer (the general path's sort,
+            # zeroed buffer and scatter-add over up to cycle-rows x dim fp32 would only copy them). Its 0 + x
+            # differs only in turning a -0.0 gradient into +0.0: the update then differs at most in the sign
+            # of a zero table entry (-0 - -0 = +0), a value that reads as zero everywhere.
+            rows = self.want - self.first_row
+            self.reset_cache()
+            return rows, per_slot
         received = distributed.exchange_rows(
             torch.cat([per_slot[:lo], per_slot[hi:]]), send_counts, recv_counts
         )

@@ -45,6 +45,13 @@ def ngram_cadence(optim_cfg, step: int, cfg: NgramConfig) -> tuple[bool, float, 
     return adam_step and due, betas[1], wd_mul
 
 
+def row_mean_sq(grads: Tensor) -> Tensor:
+    """Each row's mean square fp32 [N] of gradients fp32 [N, dim]: what the second moment takes in. NaN or inf
+    in a row (or a finite row whose squares overflow fp32) makes it non-finite, so it also serves as the
+    update's finiteness check at 1/dim of the gradient's size."""
+    return (grads * grads).mean(1)
+
+
 def _f32(x: float, device) -> Tensor:
     return torch.tensor(x, dtype=torch.float32, device=device)
 
@@ -91,8 +98,10 @@ class NgramAdam:
         beta2: float,
         wd_mul: float,
         grad_mul: float | None = None,
+        mean_sq: Tensor | None = None,
     ) -> None:
-        """One event over ``rows`` (unique local int64 [N]) with their summed gradients fp32 [N, dim]."""
+        """One event over ``rows`` (unique local int64 [N]) with their summed gradients fp32 [N, dim];
+        ``mean_sq``: :func:`row_mean_sq` of them if the caller has it already (it is not computed again)."""
         self.events += 1
         e = self.events
         if e >= self.beta2_history.numel():  # grows by doubling: a run's event count is not known here
@@ -113,7 +122,8 @@ class NgramAdam:
         if rows.numel() == 0:
             return
         grads = grads.float().contiguous()
-        mean_sq = (grads * grads).mean(1)
+        if mean_sq is None:
+            mean_sq = row_mean_sq(grads)
         state = (self.table.shard, self.exp_avg_sq, self.last_event, self.beta2_history)
         if self.cfg.adam_impl == "triton":
             from track_1_short.perf.kernels.ngram_adam import update_rows_
