@@ -190,9 +190,13 @@ README_COMMANDS = {
         "model.num_layers": 11,
         "data.kind": "shards",
     },
-    "checkpoint.every=50": {**COMPACT, "checkpoint.every": 50},
-    "checkpoint.final=true": {**COMPACT, "checkpoint.final": True, "checkpoint.every": 0},
-    "resume=runs/<run>/checkpoints": {**COMPACT, "resume": "runs/RUN/checkpoints"},  # <run>: a placeholder
+    "checkpoint.every=20": {**COMPACT, "checkpoint.every": 20},
+    "checkpoint.every=20 checkpoint.final=true": {
+        **COMPACT,
+        "checkpoint.final": True,
+        "checkpoint.every": 20,
+    },
+    "resume=runs/<run>": {**COMPACT, "resume": "runs/RUN"},  # <run>: a placeholder
     "experiment=smoke_record": {**COMPACT, "steps": 16, "smoke_target": 6.55},
     # The one-GPU record preset: the record's model and stage geometries, 134 steps, the synthetic corpus with
     # GPT-2's vocabulary, micro batches of 65,536 tokens (every stage a whole number of them: one graph).

@@ -34,13 +34,7 @@ from omegaconf import OmegaConf
 from track_1_short import checkpoint, data, distributed, resume
 from track_1_short.checkpoint import CheckpointError
 from track_1_short.model.config import saved_model_config
-
-RUN_FILES = (
-    "events.jsonl",
-    "log.txt",
-    "config.yaml",
-    "checkpoints",
-)  # any of them: the directory holds a run
+from track_1_short.run_log import checkpoint_owner, holds_run
 
 
 class RunDirError(ValueError):
@@ -52,10 +46,6 @@ class RunPlan:
     run_dir: Path
     continuing: bool  # resume into an existing run directory: append to its logs, keep its config.yaml
     checkpoint: Path | None  # the resolved checkpoint file when resuming
-
-
-def holds_run(path: Path) -> bool:
-    return path.is_dir() and any((path / name).exists() for name in RUN_FILES)
 
 
 def _finished(run_dir: Path) -> bool:
@@ -124,16 +114,6 @@ def check_checkpoint(cfg, total_steps: int) -> tuple[Path, dict]:
             "give the experiment and the overrides the run was started with, or start a new run."
         )
     return file, meta
-
-
-def checkpoint_owner(file: Path, meta: dict) -> Path | None:
-    """The run directory that wrote ``file``: the one holding its ``checkpoints/``, or meta's run_dir."""
-    if file.parent.name == "checkpoints" and holds_run(file.parent.parent):
-        return file.parent.parent
-    recorded = meta.get("run_dir")
-    if isinstance(recorded, str) and holds_run(Path(recorded)):
-        return Path(recorded)
-    return None
 
 
 # -- the output directory ----------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from track_1_short import checkpoint
 from track_1_short.config import ConfigError, TrainConfig
+from track_1_short.run_log import checkpoint_owner
 
 BOOKKEEPING = ("resume", "run_name", "runs_root")  # where the run is, not how it trains
 FROZEN = ("seed", "model", "schedule", "data")  # restored with the checkpoint: an override would not apply
@@ -62,8 +63,6 @@ def target(run_dir: Path, ckpt_dir: Path) -> Path:
 def run_config(resume: str) -> tuple[Path, Path, DictConfig] | None:
     """(checkpoint file, run dir, the run's config.yaml) for ``resume=``; None when no run directory with a
     config.yaml owns the checkpoint (a copied file: the command line is then the whole config)."""
-    from track_1_short.preflight import checkpoint_owner
-
     file = checkpoint.resolve(resume)
     meta = checkpoint.load(file, mmap=True).get("meta")
     owner = checkpoint_owner(file, meta if isinstance(meta, dict) else {})

@@ -251,3 +251,26 @@ def read_events(run_dir: str | Path) -> list[dict]:
 def is_finished(run_dir: str | Path) -> bool:
     """A run is finished when it has a val event at step == total_steps."""
     return any(e["event"] == "val" and e["step"] == e["total_steps"] for e in read_events(run_dir))
+
+
+# -- which directory holds a run ----------------------------------------------------------------------------
+RUN_FILES = (
+    "events.jsonl",
+    "log.txt",
+    "config.yaml",
+    "checkpoints",
+)  # any of them: the directory holds a run
+
+
+def holds_run(path: Path) -> bool:
+    return path.is_dir() and any((path / name).exists() for name in RUN_FILES)
+
+
+def checkpoint_owner(file: Path, meta: dict) -> Path | None:
+    """The run directory that wrote ``file``: the one holding its ``checkpoints/``, or meta's run_dir."""
+    if file.parent.name == "checkpoints" and holds_run(file.parent.parent):
+        return file.parent.parent
+    recorded = meta.get("run_dir")
+    if isinstance(recorded, str) and holds_run(Path(recorded)):
+        return Path(recorded)
+    return None
