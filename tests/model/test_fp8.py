@@ -416,14 +416,13 @@ def test_switches_off_run_the_bf16_path_and_evaluation_never_uses_fp8(monkeypatc
         assert calls == expected, switches
 
 
-def test_the_record_presets_switch_every_fp8_path_on():
+def test_no_preset_switches_an_fp8_path_on_until_it_runs_on_the_gpu():
+    # The GPU path failed on an H100 (configs/experiment/record.yaml says how): no preset may depend on it.
     from tests.test_config import compose_train, to_object
 
-    for preset in ("record", "record_1gpu"):
+    for preset in ("default", "smoke_record", "record", "record_1gpu"):
         f = to_object(compose_train(f"experiment={preset}")).model.fp8
-        assert (f.mlp, f.qkv, f.lm_head) == (True, True, True), preset
-    f = to_object(compose_train()).model.fp8
-    assert not f.any
+        assert not f.any, preset
 
 
 def test_the_trainer_refreshes_the_copies_once_per_optimizer_update(tmp_path):
