@@ -108,8 +108,8 @@ class NonFiniteGradError(NonFiniteError):
         where = ", ".join(f"{label!r} (on {n} of {world} rank(s))" for label, n in zip(labels, ranks))
         super().__init__(
             f"non-finite gradient at step {step} in {where}; the run stops before the update, so no "
-            "parameter and no checkpoint holds it. Resume from the last checkpoint (with a lower lr or "
-            "another seed), or set guards.nan_policy=skip to drop such steps."
+            "parameter and no checkpoint holds it. Resume from the last checkpoint (a resume may lower "
+            "optim.adam_lr; the seed stays the run's), or set guards.nan_policy=skip to drop such steps."
         )
 
 

@@ -65,7 +65,7 @@ class NonFiniteLossError(NonFiniteError):
         self.step = step
         super().__init__(
             f"the training loss became {value} at step {step}; the run stops there. No checkpoint holds it: "
-            "resume from the last one with a lower lr or another seed."
+            "resume from the last one (a resume may lower optim.adam_lr; the seed stays the run's)."
         )
 
 
