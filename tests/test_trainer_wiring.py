@@ -55,6 +55,7 @@ def recorded(tmp_path_factory):
         "split_model": [],
         "split_opt": [],
         "loss_fields": [],
+        "candidate_rows": [],
     }
     current = {"step": None}
 
@@ -88,6 +89,11 @@ def recorded(tmp_path_factory):
     wrap(t.opt, "step", lambda do_adam: calls["step"].append((current["step"], do_adam)))
     wrap(t.opt, "split_embed", lambda: calls["split_opt"].append(current["step"]))
     wrap(t.model, "split_embed", lambda: calls["split_model"].append(current["step"]))
+    wrap(
+        t.model,
+        "candidate_rows",
+        lambda targets, p, offset: calls["candidate_rows"].append((current["step"], p, int(offset))),
+    )
 
     def recording(real_forward):
         def forward(inputs, targets, cu_seqlens, windows, mtp_weights=None, **loss_fields):
@@ -166,16 +172,26 @@ def test_model_receives_the_planned_prefix_weight_and_candidate_count_on_every_m
         assert isinstance(weight, torch.Tensor) and torch.equal(
             weight.cpu(), torch.tensor([plan.prefix_weight])
         )
-        assert fields.get("candidates", 0) == plan.sampled_candidates, step
-        assert ("sample_offset" in fields) == (plan.sampled_candidates > 0), step
+        # The candidate set of the planned P, a tensor built outside the forward (one graph for every P).
+        cand = fields.get("candidates")
+        assert (0 if cand is None else cand.numel()) == plan.sampled_candidates, step
     # The run really varies both: five prefix weights and 0, three candidate counts and the full softmax.
     assert len({float(f["prefix_weight"]) for _, f in train}) == 6
-    assert {f.get("candidates", 0) for _, f in train} == {384, 512, 640, 0}
-    # Each micro batch of a step starts its negatives elsewhere.
+    assert {0 if f.get("candidates") is None else f["candidates"].numel() for _, f in train} == {
+        384,
+        512,
+        640,
+        0,
+    }
+    # One candidate set per sampled micro batch, of the planned P; each micro batch of a step starts its
+    # negatives elsewhere.
+    built = calls["candidate_rows"]
+    assert [(s, p) for s, p, _ in built] == [
+        (s, f["candidates"].numel()) for s, f in train if f.get("candidates") is not None
+    ]
     by_step: dict[int, list] = {}
-    for step, f in train:
-        if "sample_offset" in f:
-            by_step.setdefault(step, []).append(int(f["sample_offset"]))
+    for step, _, offset in built:
+        by_step.setdefault(step, []).append(offset)
     assert by_step and all(len(set(o)) == len(o) == 2 for o in by_step.values())
     # Validation forwards get neither.
     assert all(f == {} for step, f in calls["loss_fields"] if step is None)

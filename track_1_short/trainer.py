@@ -358,12 +358,13 @@ class Trainer:
         ngram_batches = (
             self.ngram.batches(step) if self.ngram is not None else None
         )  # the cycle's, read ahead
-        extra = self._loss_fields(plan, micro)
+        extra, p = self._loss_fields(plan, micro)
         for m in range(accum):
             b = ngram_batches[m] if ngram_batches else self.loader.next_batch(micro, plan.max_doc_len)
             cu = fixed_boundaries(b.cu_seqlens, micro)
-            if extra.get("candidates"):
-                extra["sample_offset"] = self._sweep_offset(step, m, accum, extra["candidates"])
+            if p:
+                offset = self._sweep_offset(step, m, accum, p)
+                extra["candidates"] = self.model.candidate_rows(b.targets, p, offset)
             # The n-gram rows are looked up here and enter as tensors: the compiled forward traces their
             # embedding, with no graph break on the lookup (the table-off graph count).
             ngram = {"ngram": self.model.ngram_rows(b.inputs, cu)} if self.ngram is not None else {}
@@ -388,9 +389,10 @@ class Trainer:
         self.tokens_seen += plan.batch_tokens
         return loss_sum / (micro * accum)
 
-    def _loss_fields(self, plan, micro: int) -> dict:
-        """The step's prefix weight (a device tensor: no new graph when it changes) and the sampled softmax's
-        P for this micro-batch size (an int: one graph per value, each made in the warmup)."""
+    def _loss_fields(self, plan, micro: int) -> tuple[dict, int]:
+        """The step's prefix weight (a device tensor: no new graph when it changes), and the sampled softmax's
+        P for this micro-batch size (0: the full softmax), whose candidate sets enter the forward as tensors
+        of dynamic length (GPT.candidate_rows): one graph for every P."""
         extra: dict = {}
         if self.prefix_on:
             weight = torch.tensor([plan.prefix_weight], dtype=torch.float32)
@@ -401,9 +403,7 @@ class Trainer:
             self.cfg.schedule.sampled_candidates_tokens,
             self.model.topo.vocab_padded,
         )
-        if p:
-            extra["candidates"] = p
-        return extra
+        return extra, p
 
     def _sweep_offset(self, step: int, micro_index: int, accum: int, p: int) -> torch.Tensor:
         """Where this micro batch's negatives start: staggered over every rank's micro batches of the step."""

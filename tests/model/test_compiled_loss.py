@@ -75,12 +75,14 @@ def test_new_mtp_weights_reach_a_compiled_loss_without_a_new_graph(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_compiled_sampled_loss_makes_one_graph_per_candidate_count_and_equals_eager(device):
-    # The trainer's inputs: P an int (one graph each, made in the warmup), the prefix weight and the sweep
-    # offset device tensors (new values every step, no new graph).
+def test_a_compiled_sampled_loss_makes_one_graph_for_every_candidate_count_and_equals_eager(device):
+    # The trainer's inputs: the candidate set built outside the graph by GPT.candidate_rows (its length
+    # dynamic), the prefix weight a device tensor: a new P, weight or offset is data, not a new graph.
+    from types import SimpleNamespace
+
     from torch._dynamo.utils import counters
 
-    from track_1_short.model.sampled_softmax import candidate_set
+    from track_1_short.model.gpt import GPT
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(64, 16, generator=g).to(device)
@@ -88,9 +90,9 @@ def test_a_compiled_sampled_loss_makes_one_graph_per_candidate_count_and_equals_
     targets = torch.randint(0, 128, (64,), generator=g).to(device)
     prefix = torch.randint(-1, 256, (64,), generator=g).to(device)
     mtp = torch.tensor([1.0, 0.5], device=device)
+    model = SimpleNamespace(topo=SimpleNamespace(vocab_padded=256))  # all candidate_rows reads
 
-    def f(x, w, targets, prefix_weight, p, offset):
-        cand = candidate_set(targets, 256, p, offset)
+    def f(x, w, targets, prefix_weight, cand):
         return softcapped_cross_entropy_sum(
             x,
             w,
@@ -108,9 +110,10 @@ def test_a_compiled_sampled_loss_makes_one_graph_per_candidate_count_and_equals_
     torch._dynamo.reset()
     counters.clear()
     cf = torch.compile(f, backend="aot_eager", dynamic=False)
-    for step, (weight, p) in enumerate([(0.25, 96), (0.2, 96), (0.1, 128), (0.0, 128), (0.0, 96)]):
-        args = (torch.tensor([weight], device=device), p, torch.tensor(step * 37, device=device))
+    for step, (weight, p) in enumerate([(0.25, 96), (0.2, 96), (0.1, 128), (0.0, 128), (0.0, 192)]):
+        cand = GPT.candidate_rows(model, targets, p, torch.tensor(step * 37, device=device))
+        args = (torch.tensor([weight], device=device), cand)
         eager = loss_and_grads(lambda x, w, t, args: f(x, w, t, *args), x, w, targets, args)
         compiled = loss_and_grads(lambda x, w, t, args: cf(x, w, t, *args), x, w, targets, args)
         assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), step
-    assert counters["stats"]["unique_graphs"] == 2  # P = 96 and P = 128
+    assert counters["stats"]["unique_graphs"] == 1  # P = 96, 128 and 192

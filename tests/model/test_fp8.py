@@ -142,7 +142,7 @@ def test_emulated_fp8_mlp_agrees_with_bf16_within_the_formats_bound():
     bf16_out = _bf16_mlp(x, w1, w2, g)
     assert st.clip_counts()[0].sum() == 0  # the bound holds for unsaturated operands
     m = st.mlp
-    scales = {"x": 2.0**-4, "w1": m["w_s"][0, 0].item(), "w2": m["w_s"][0, 1].item(), "g": 2.0**-6,
+    scales = {"x": 2.0**-4, "w1": m["w_s"][0][0].item(), "w2": m["w_s"][0][1].item(), "g": 2.0**-6,
               "post": m["post_s"][0].item(), "dpre": m["dpre_s"][0].item()}  # fmt: skip
     fmts = {"x": E4M3, "w1": E4M3, "w2": E4M3, "post": E4M3, "g": E5M2, "dpre": E5M2}
     x64, w164, w264, g64 = (t.double() for t in (x, w1, w2, g))
@@ -233,7 +233,7 @@ def test_emulated_fp8_mlp_equals_a_plain_restatement_bitwise():
     st, out, dx, dw1, dw2 = _fp8_mlp(x, w1, w2, g)
     assert 0 < st.clip_counts()[0, SITE["mlp.grad"]] < 0.05 * g.numel()
     m = st.mlp
-    w1_s, w2_s = m["w_s"][0, 0], m["w_s"][0, 1]
+    w1_s, w2_s = m["w_s"][0]
     # upstream's constants, written out: x 2^-4 e4m3, gradient 2^-6 e5m2, post 1.0 and dpre 2^-6 initially
     xs, gs = torch.tensor(2.0**-4), torch.tensor(2.0**-6)
     post_s, dpre_s = torch.tensor(1.0), torch.tensor(2.0**-6)
@@ -321,9 +321,9 @@ def test_delayed_scales_take_the_amax_since_the_last_refresh_with_upstreams_head
     assert torch.equal(st.mlp["dpre_s"][0], torch.maximum(*amax_dpre) * (1.25 / 57344))
     assert st.mlp["post_amax"][0] == 0 and st.mlp["dpre_amax"][0] == 0
     # a refresh with no forward since (amax 0) keeps the scales
-    before = st.mlp["post_s"].clone()
+    before = torch.stack(st.mlp["post_s"])
     st.refresh(bank, None, None)
-    assert torch.equal(st.mlp["post_s"], before)
+    assert torch.equal(torch.stack(st.mlp["post_s"]), before)
 
 
 def test_weight_scales_are_exact_for_16_refreshes_then_one_refresh_late_with_headroom():
@@ -338,11 +338,40 @@ def test_weight_scales_are_exact_for_16_refreshes_then_one_refresh_late_with_hea
             expected = amaxes[k] / 448
         else:
             expected = amaxes[k - 1] * (1.12 / 448)
-        assert torch.equal(st.mlp["w_s"][0], expected), k
+        assert torch.equal(torch.stack(st.mlp["w_s"][0]), expected), k
         assert torch.equal(st.mlp["row"][0, 0], _q(bank[0, 0], expected[0], E4M3)), k
         assert torch.equal(st.mlp["t"][0, 1], _q(bank[0, 1], expected[1], E4M3).t()), k
     st.rearm()
-    assert st.refreshes == 0 and st.mlp["post_s"].eq(1.0).all() and st.mlp["dpre_s"].eq(2.0**-6).all()
+    assert st.refreshes == 0
+    assert all(s == 1.0 for s in st.mlp["post_s"]) and all(s == 2.0**-6 for s in st.mlp["dpre_s"])
+
+
+def test_every_scale_a_gemm_reads_is_its_own_allocation(monkeypatch):
+    # cuBLASLt refuses a scale pointer inside a stacked tensor (CUBLAS_STATUS_NOT_SUPPORTED on an H100) and
+    # Inductor fails to lower _scaled_mm on such a view: every scale fp8_mm gets must own its storage.
+    import track_1_short.model.fp8 as fp8
+
+    x, w1, w2, g = _data(seed=12)
+    seen = []
+    real = fp8.fp8_mm
+
+    def spy(a, b, scale_a, scale_b, *args, **kwargs):
+        seen.extend((scale_a, scale_b))
+        return real(a, b, scale_a, scale_b, *args, **kwargs)
+
+    monkeypatch.setattr(fp8, "fp8_mm", spy)
+    st = FP8State(FP8Config(mlp=True, qkv=True, lm_head=True))
+    bank = torch.stack((w1, w2))[None].repeat(2, 1, 1, 1)
+    st.refresh(bank, {0: w1[:64], 1: w2[:64]}, w1.t().contiguous())
+    for slot in (0, 1):
+        st.mlp_forward(x.clone().requires_grad_(), slot, w1, w2).backward(g)
+    qx = x.clone().requires_grad_()
+    st.qkv_forward(1)(qx, w2[:64], torch.tensor(0.5)).backward(torch.ones(x.size(0), 64, dtype=x.dtype))
+    fp8.fp8_logits(st.lm_head_input(x), st.lm_col)
+    assert len(seen) == 2 * (2 * 6 + 3 + 1)  # two MLP slots of 6 GEMMs, QKV's 3, the logits GEMM
+    for scale in seen:
+        assert scale.dim() == 0 and scale.storage_offset() == 0, scale
+        assert scale.untyped_storage().nbytes() == scale.element_size(), "a view into a bigger tensor"
 
 
 def test_a_scale_that_clips_more_than_the_stated_fraction_is_reported():
@@ -447,7 +476,10 @@ def test_the_trainer_refreshes_the_copies_once_per_optimizer_update(tmp_path):
         assert st.refreshes == 3
         # the copies are the updated weights'
         m = st.mlp
-        assert torch.equal(m["row"], _q(t.model.mlp_bank, m["w_s"][:, :, None, None], E4M3))
+        assert torch.equal(
+            m["row"],
+            _q(t.model.mlp_bank, torch.stack([torch.stack(p) for p in m["w_s"]])[:, :, None, None], E4M3),
+        )
         lm = t.model.lm_head
         assert torch.equal(st.lm_col, _q(lm.t(), 2 / 448, E4M3))
         layer = next(iter(st.qkv))

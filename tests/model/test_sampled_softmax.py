@@ -222,11 +222,12 @@ def test_an_evaluation_forward_never_samples(tiny_model_and_batch):
     model.eval()
     with torch.no_grad():
         full = model(inputs, targets, cu, windows)
-        sampled_args = model(inputs, targets, cu, windows, None, None, 256, 3)
+        cand = model.candidate_rows(targets, 256, 3)
+        sampled_args = model(inputs, targets, cu, windows, None, None, cand)
         val = model.val_loss_sum(inputs, targets, cu, windows)
     assert torch.equal(full, sampled_args) and torch.equal(full, val)
     model.train()
-    trained = model(inputs, targets, cu, windows, None, None, 256, 3)
+    trained = model(inputs, targets, cu, windows, None, None, cand)
     assert not torch.equal(trained.detach(), full)  # the training forward does sample
 
 

@@ -306,8 +306,9 @@ class FP8State:
             return
         if self.mlp:
             torch._foreach_zero_(self.mlp["post_amax"] + self.mlp["dpre_amax"])
-            self.mlp["post_s"].fill_(POST_SCALE_INIT)
-            self.mlp["dpre_s"].fill_(DPRE_SCALE_INIT / self.loss_divisor)
+            for post_s, dpre_s in zip(self.mlp["post_s"], self.mlp["dpre_s"]):
+                post_s.fill_(POST_SCALE_INIT)
+                dpre_s.fill_(DPRE_SCALE_INIT / self.loss_divisor)
             self._w_amax_prev = None
         torch._foreach_zero_([self.clips, *self.owner_clips.values()])
 
@@ -357,21 +358,25 @@ class FP8State:
             slots = bank.shape[0]
             m["row"] = torch.empty(bank.shape, dtype=E4M3, device=bank.device)
             m["t"] = torch.empty(bank.transpose(-1, -2).shape, dtype=E4M3, device=bank.device)
-            m["w_s"] = torch.ones(slots, 2, **f32)
-            m["post_s"] = torch.full((slots,), POST_SCALE_INIT, **f32)
-            m["dpre_s"] = torch.full((slots,), DPRE_SCALE_INIT / self.loss_divisor, **f32)
+            # Every scale a GEMM reads is its own allocation, never an element of a stacked tensor: cuBLASLt
+            # refuses a scale pointer off its alignment (CUBLAS_STATUS_NOT_SUPPORTED for w_s[slot, 1], seen
+            # on an H100), and Inductor (torch 2.11) fails to lower _scaled_mm on a view's 0-D scale.
+            m["w_s"] = [[torch.ones((), **f32) for _ in range(2)] for _ in range(slots)]
+            m["post_s"] = [torch.full((), POST_SCALE_INIT, **f32) for _ in range(slots)]
+            m["dpre_s"] = [torch.full((), DPRE_SCALE_INIT / self.loss_divisor, **f32) for _ in range(slots)]
             m["post_amax"] = [torch.zeros((), **f32) for _ in range(slots)]
             for slot in range(slots):
                 self.owner_clips[("mlp", slot)] = torch.zeros_like(clips)
             m["dpre_amax"] = [torch.zeros((), **f32) for _ in range(slots)]
         amax = bank.abs().amax(dim=(2, 3)).float()  # [slots, 2]
         if self.refreshes < EXACT_SCALE_REFRESHES or self._w_amax_prev is None:
-            m["w_s"].copy_(amax.clamp(min=1e-12) / FP8_MAX[E4M3])
+            w_s = amax.clamp(min=1e-12) / FP8_MAX[E4M3]
         else:  # one refresh late: the weights moved by one update since that amax was taken
-            m["w_s"].copy_(self._w_amax_prev.clamp(min=1e-12) * (WEIGHT_SCALE_HEADROOM / FP8_MAX[E4M3]))
+            w_s = self._w_amax_prev.clamp(min=1e-12) * (WEIGHT_SCALE_HEADROOM / FP8_MAX[E4M3])
+        torch._foreach_copy_([t for pair in m["w_s"] for t in pair], list(w_s.flatten().unbind(0)))
         # Kept outside self.mlp: the compiled forward reads that dict, and its keys must never change.
         self._w_amax_prev = amax
-        scaled = bank.float() / m["w_s"][:, :, None, None]
+        scaled = bank.float() / w_s[:, :, None, None]
         lim = FP8_MAX[E4M3]
         clips[0, SITE["mlp.w"]].add_((scaled.abs() > CLIP_AT[E4M3]).sum())
         clips[1, SITE["mlp.w"]].add_(scaled.numel())
@@ -390,10 +395,10 @@ class FP8State:
             w2,
             m["row"][slot, 0],
             m["t"][slot, 0],
-            m["w_s"][slot, 0],
+            m["w_s"][slot][0],
             m["row"][slot, 1],
             m["t"][slot, 1],
-            m["w_s"][slot, 1],
+            m["w_s"][slot][1],
             m["post_s"][slot],
             m["post_amax"][slot],
             m["dpre_s"][slot],
@@ -464,9 +469,11 @@ class FP8State:
         return lines
 
 
-def _delayed_scale_(amax: list[Tensor], scale: Tensor, gain: float, floor: float) -> None:
+def _delayed_scale_(amax: list[Tensor], scale: list[Tensor], gain: float, floor: float) -> None:
     """scale[i] = amax[i] since the last refresh * gain (at least ``floor``); a slot that saw nothing (amax
     0: no training forward yet, or a frozen slot) keeps its scale. Then every amax restarts at 0."""
     a = torch.nan_to_num(torch.stack(amax), nan=0.0, posinf=0.0, neginf=0.0).clamp(max=1e12)
-    scale.copy_(torch.where(a > 0, (a * gain).clamp(min=floor), scale))
+    torch._foreach_copy_(
+        scale, list(torch.where(a > 0, (a * gain).clamp(min=floor), torch.stack(scale)).unbind(0))
+    )
     torch._foreach_zero_(amax)

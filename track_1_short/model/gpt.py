@@ -277,6 +277,17 @@ class GPT(nn.Module):
         rows, signs = self.ngram_indices(inputs, cu_seqlens)
         return self._attached_table().lookup(rows, check=self.cfg.check_inputs), signs
 
+    def candidate_rows(self, targets: Tensor, p: int, offset: int | Tensor) -> Tensor:
+        """The sampled softmax's candidate set (int64 [p], model/sampled_softmax.py) of a micro batch with
+        these targets, for :meth:`forward`'s ``candidates``; its negatives' sweep starts at ``offset``.
+
+        Built here, outside a compiled forward, and marked dynamic in its length: the forward only hands it
+        to the loss op, so one graph takes every P of the schedule (an int P inside the graph made one graph,
+        and a whole-model compile, per value)."""
+        cand = candidate_set(targets, self.topo.vocab_padded, p, offset)
+        torch._dynamo.mark_dynamic(cand, 0)  # read only by a compiled forward; eager ignores it
+        return cand
+
     def _attached_table(self) -> NgramTable:
         if self.ngram_table is None:
             raise ModelConfigError(
@@ -452,8 +463,7 @@ class GPT(nn.Module):
         windows,
         mtp_weights: list[float] | Tensor | None = None,
         prefix_weight: float | Tensor | None = None,
-        candidates: int = 0,
-        sample_offset: int | Tensor = 0,
+        candidates: Tensor | None = None,
         ngram: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """Summed multi-token softcapped CE over the T tokens (fp32 0-D); mtp_weights None = [1.0] (plain CE).
@@ -470,8 +480,8 @@ class GPT(nn.Module):
 
         Training forwards only (an evaluation forward ignores them): prefix_weight, the prefix-token target's
         weight (a float, or an fp32 tensor on the model's device: no new graph when it changes; needs
-        ``prefix_targets``; None: no term); candidates, the sampled softmax's P (0: the full softmax; each P
-        is its own graph) with sample_offset, where its negatives' sweep starts (model/sampled_softmax.py).
+        ``prefix_targets``; None: no term); candidates, the sampled softmax's candidate set as
+        :meth:`candidate_rows` builds it (None: the full softmax).
         """
         mtp = [1.0] if mtp_weights is None else mtp_weights
         if self.cfg.check_inputs:
@@ -493,10 +503,10 @@ class GPT(nn.Module):
         lm_fp8 = (
             (fp8.lm_head_input(hidden), fp8.lm_col) if fp8 is not None and cfg.fp8.lm_head else (None, None)
         )
-        extra = self._loss_targets(targets, prefix_weight, candidates, sample_offset)
+        extra = self._loss_targets(targets, prefix_weight, candidates)
         return loss(hidden, self.lm_head, targets, mtp, *args, cfg.loss_impl, *lm_fp8, **extra)
 
-    def _loss_targets(self, targets: Tensor, prefix_weight, candidates: int, sample_offset) -> dict:
+    def _loss_targets(self, targets: Tensor, prefix_weight, candidates: Tensor | None) -> dict:
         """The training loss's prefix targets and candidate set, as keyword arguments of the loss."""
         extra: dict = {}
         if prefix_weight is not None:
@@ -506,8 +516,8 @@ class GPT(nn.Module):
                     "model.prefix_targets=true."
                 )
             extra.update(prefix_targets=self.prefix_table[targets], prefix_weight=prefix_weight)
-        if candidates:
-            extra["candidates"] = candidate_set(targets, self.topo.vocab_padded, candidates, sample_offset)
+        if candidates is not None:
+            extra["candidates"] = candidates
         return extra
 
     @torch.no_grad()
