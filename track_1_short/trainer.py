@@ -440,6 +440,7 @@ class Trainer:
             t_step = time.perf_counter()
             self.train_step(s)
             _sync(self.device)
+            self.model.check_candidates()  # a too-small P stops the run here, before the clock starts
             self.phases.say(
                 f"  warmup step {k + 1}/{len(steps)} (schedule step {s}): "
                 f"{time.perf_counter() - t_step:.1f} s, graphs so far {self.graphs_made()}"
@@ -569,6 +570,7 @@ class Trainer:
                 want_ckpt = (cfg.checkpoint.final and last) or (every > 0 and done % every == 0 and not last)
                 if done % check_every == 0 or want_val or want_ckpt or done % cfg.log_every == 0:
                     checked = self._check_losses(pending)  # a device sync: the time below is real
+                    self.model.check_candidates()
                     now = time.perf_counter()
                     pending = []
                     elapsed = self.train_time_ms + 1e3 * (now - t0)

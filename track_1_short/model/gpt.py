@@ -185,6 +185,7 @@ class GPT(nn.Module):
         self.register_load_state_dict_post_hook(GPT._sync_host_state)
         # FP8 weight copies and scales: derived state outside the state dict (model/fp8.py).
         self._fp8 = FP8State(cfg.fp8) if cfg.fp8.any else None
+        self._candidates_short: Tensor | None = None  # candidate_rows' flag, read by check_candidates
 
         self.label_parameters()
         if build != "meta":
@@ -286,7 +287,25 @@ class GPT(nn.Module):
         and a whole-model compile, per value)."""
         cand = candidate_set(targets, self.topo.vocab_padded, p, offset)
         torch._dynamo.mark_dynamic(cand, 0)  # read only by a compiled forward; eager ignores it
+        # A set short of a target is flagged on the device, not checked here: a check would wait for the
+        # device every micro batch, and the loss cannot raise from a kernel (check_candidates reads it).
+        seen = torch.zeros(self.topo.vocab_padded, dtype=torch.bool, device=targets.device)
+        short = seen.index_fill_(0, targets, True).sum() > p
+        flag = self._candidates_short
+        self._candidates_short = short if flag is None else flag | short
         return cand
+
+    def check_candidates(self) -> None:
+        """Raise ModelConfigError if a candidate set built since the last call missed one of its micro batch's
+        targets (more distinct targets than P). A device read: call it where the host waits anyway (the
+        trainer's warmup steps and log steps). On CUDA the loss scored such a target against candidate 0
+        meanwhile; on the CPU it has already refused it."""
+        flag, self._candidates_short = self._candidates_short, None
+        if flag is not None and bool(flag):
+            raise ModelConfigError(
+                "sampled softmax: a micro batch held more distinct targets than its candidate count P; raise "
+                "the stages' schedule sampled_candidates, or lower micro_batch_tokens (P scales with it)."
+            )
 
     def _attached_table(self) -> NgramTable:
         if self.ngram_table is None:

@@ -269,8 +269,7 @@ def _softcapped_ce_sum(
     if sampled:
         # Targets become positions in the candidate set: the block then sees a P-wide vocabulary.
         column_of = _candidate_positions(candidates, weight.size(1))
-        targets = column_of[targets]
-        _check_targets_are_candidates(targets, candidates.numel())
+        targets = _check_targets_are_candidates(column_of[targets], candidates.numel())
         full_weight, weight = weight, weight[:, candidates]  # [D, P]: all the logits and gradient touch
         if weight_fp8 is not None:  # the FP8 copy is lm_head.T, [V, D]: the candidates are its rows
             weight_fp8 = weight_fp8[candidates]
@@ -339,15 +338,20 @@ def _candidate_positions(candidates: Tensor, vocab: int) -> Tensor:
     return out.index_copy_(0, candidates, torch.arange(candidates.numel(), device=candidates.device))
 
 
-def _check_targets_are_candidates(positions: Tensor, p: int) -> None:
-    """A target outside the candidate set would be scored against nothing: stop the run instead."""
-    if positions.is_cuda:  # no host sync on the GPU: the device raises at its next synchronisation
-        torch._assert_async(positions.min() >= 0, "sampled softmax: a target is missing from the candidates")
-    elif int(positions.min()) < 0:
+def _check_targets_are_candidates(positions: Tensor, p: int) -> Tensor:
+    """The targets' positions in the candidate set; a target outside it would be scored against nothing.
+
+    On the CPU that stops the run here. On CUDA a check would wait for the device, and a device assert
+    kills the process without a readable message: such a target is scored against candidate 0 (an in-bounds
+    read) and GPT.check_candidates stops the run with the message below at the trainer's next log step."""
+    if positions.is_cuda:
+        return positions.clamp(min=0)
+    if int(positions.min()) < 0:
         raise ValueError(
             f"sampled softmax: the micro batch holds more distinct targets than its {p} candidates; raise "
             "the stage's sampled_candidates or lower micro_batch_tokens."
         )
+    return positions
 
 
 @_softcapped_ce_sum.register_fake

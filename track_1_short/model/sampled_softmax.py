@@ -23,8 +23,8 @@ index): the ranks, and the micro batches of a rank, start at staggered offsets, 
 so across steps every class is drawn about equally often, with no random state to save or restore. Upstream
 keeps a per-rank cursor that advances by about 1.7 x its draw; here the offset is a function of the step and
 the micro batch, so a resumed or re-warmed run draws the same sets, and one micro batch's set does not depend
-on the world size that holds it. The build is a few passes over [V] on the device with fixed shapes: no host
-sync, one compiled graph per P.
+on the world size that holds it. The build is a few passes over [V] on the device with fixed shapes and no
+host sync, outside the compiled forward (GPT.candidate_rows), which takes sets of any P with one graph.
 
 P and the micro batch: the set must hold every distinct target. Upstream's counts are for its per-rank micro
 batch of 49,152 tokens (about 11k distinct targets at P = 14,336). A larger micro batch holds more distinct
