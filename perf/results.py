@@ -42,6 +42,7 @@ SECTIONS = {
     "bench_loss": "Training loss",
     "bench_replicated_adam": "Replicated Adam",
     "scaling": "Scaling",
+    "ablation": "Record ablation",
 }
 SUPERSEDED = "superseded.md"
 

@@ -1,0 +1,196 @@
+"""The record's ablation on one GPU: the preset with everything on, then each component off in turn, N seeds.
+
+    python perf/ablation.py --seeds 0 1 2 --out perf/results/ablation.json            # every arm, 3 seeds
+    python perf/ablation.py --arms all ngram --seeds 0 --out /tmp/ablation.json        # a subset
+    python perf/ablation.py --from-runs /tmp/ablation_runs --out perf/results/ablation.json   # re-read runs
+
+Each run is ``python -m track_1_short.train experiment=record_1gpu seed=S`` plus the arm's overrides (one
+process per run, as a user runs it). An arm turns one of the record's components off relative to the preset
+(or on, where the preset leaves it off: the ``fp8`` arm then says ``on``):
+
+- ``all``: the preset as configured;
+- ``ngram``: the hashed n-gram table off;
+- ``ce_stack``: the sampled softmax (full softmax at every stage) and the prefix-token loss off;
+- ``fp8``: the FP8 MLP, QKV and logits GEMMs flipped;
+- ``tail``: tail averaging off (every run also reports its last iterate's val loss, so the tail's val effect
+  is in every row; this arm prices its time).
+
+FlexAttention is the only attention kernel the stack has, so upstream's attention row has no arm here.
+
+Rows, one per arm: the overrides, the seeds that finished, overall tokens/s (the run's own ``summary`` event)
+and final val loss (the one the record gate reads) as mean and sample standard deviation over the seeds, the
+last iterate's val loss, and the deltas against ``all`` (tokens/s in percent, val loss in millinats).
+``upstream`` quotes upstream's ablation for the same component (record #92's README, PR #360): its wall and
+val deltas on 8 H100s at the record's 1,194 steps, and the net seconds it cost to recover 3.28. The JSON is
+rewritten after every run, so a call cut short still hands back what finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from track_1_short.run_log import read_events
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_meta import REPO_ROOT, bench_metadata, write_bench_json  # noqa: E402
+
+PRESET = "record_1gpu"
+UPSTREAM = {  # upstream's ablation rows (record #92 README / PR #360), quoted as written there
+    "ngram": "n-gram table: wall +1.19 s, val +35.8 mnats, net +7.05 s",
+    "ce_stack": "CE stack (sampled softmax + prefix CE + fused kernel): wall +8.80 s, val -2.4 mnats, "
+    "net +8.40 s",
+    "fp8": "fp8 extension (MLP + lm_head cache): wall +5.02 s, net +4.96 s",
+    "tail": "tail averaging (EMA + tavg + blend): wall +0.52 s, val +20.2 mnats, net +3.82 s",
+}
+ARMS = ("all", "ngram", "ce_stack", "fp8", "tail")
+
+
+def preset_config(overrides: list[str]):
+    """The composed, typed config of the preset with ``overrides`` (what a run of it would use)."""
+    from hydra import compose, initialize_config_dir
+
+    from track_1_short.config import to_object
+
+    with initialize_config_dir(str(REPO_ROOT / "configs"), version_base=None):
+        return to_object(compose("train", overrides=[f"experiment={PRESET}", *overrides]))
+
+
+def arm_overrides(arm: str, cfg) -> list[str]:
+    """The Hydra overrides that turn ``arm``'s component off (or, for fp8 where the preset has it off, on)."""
+    if arm == "all":
+        return []
+    if arm == "ngram":
+        return ["model.ngram.enabled=false"]
+    if arm == "ce_stack":
+        stages = [f"schedule.stages.{i}.sampled_candidates=[0]" for i in range(len(cfg.schedule.stages))]
+        return [*stages, "model.prefix_targets=false"]
+    if arm == "fp8":
+        on = "false" if cfg.model.fp8.any else "true"
+        return [f"model.fp8.{path}={on}" for path in ("mlp", "qkv", "lm_head")]
+    if arm == "tail":
+        return ["tail.enabled=false"]
+    raise ValueError(f"unknown arm {arm!r}: choose from {list(ARMS)}")
+
+
+def run_figures(run_dir: Path) -> dict | None:
+    """A finished run's overall tokens/s, final val loss (the gate's) and last-iterate val loss; None if the
+    run did not finish."""
+    if not (run_dir / "events.jsonl").is_file():
+        return None
+    events = read_events(run_dir)
+    end = next((e for e in reversed(events) if e["event"] == "end"), None)
+    summary = next((e for e in reversed(events) if e["event"] == "summary"), None)
+    final = next((e for e in reversed(events) if e["event"] == "val" and e["step"] == e["total_steps"]), None)
+    if end is None or summary is None or final is None or end.get("status") != "finished":
+        return None
+    return {
+        "tokens_per_s": summary["tokens_per_s"],
+        "val_loss": final["val_loss"],
+        "val_loss_last_iterate": final.get("val_loss_last_iterate", final["val_loss"]),
+        "train_time_s": end["train_time_ms"] / 1e3,
+        "timed_loop_graphs": end.get("timed_loop_graphs"),
+    }
+
+
+def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def shown(overrides: list[str]) -> str:
+    """The overrides as a table cell: the per-stage ones of the ce_stack arm as one phrase."""
+    stages = [o for o in overrides if o.startswith("schedule.stages.")]
+    rest = [o for o in overrides if o not in stages]
+    return " ".join(rest + (["schedule.stages.*.sampled_candidates=[0]"] if stages else []))
+
+
+def rows_of(results: dict[str, dict[int, dict]], overrides: dict[str, list[str]]) -> list[dict]:
+    """One row per arm from {arm: {seed: figures}}, deltas against the ``all`` arm's means."""
+    base = results.get("all", {})
+    base_tps, _ = _mean_sd([f["tokens_per_s"] for f in base.values()])
+    base_val, _ = _mean_sd([f["val_loss"] for f in base.values()])
+    rows = []
+    for arm, by_seed in results.items():
+        figs = [by_seed[seed] for seed in sorted(by_seed)]
+        tps, tps_sd = _mean_sd([f["tokens_per_s"] for f in figs])
+        val, val_sd = _mean_sd([f["val_loss"] for f in figs])
+        last, _ = _mean_sd([f["val_loss_last_iterate"] for f in figs])
+        row = {
+            "arm": arm,
+            "overrides": shown(overrides.get(arm, [])),
+            "seeds": sorted(by_seed),
+            "tokens_per_s": tps,
+            "tokens_per_s_sd": tps_sd,
+            "val_loss": val,
+            "val_loss_sd": val_sd,
+            "val_loss_last_iterate": last,
+            "d_tokens_per_s_pct": None if arm == "all" or not base_tps else 100 * (tps / base_tps - 1),
+            "d_val_mnats": None if arm == "all" or base_val is None else 1e3 * (val - base_val),
+            "upstream": UPSTREAM.get(arm, ""),
+        }
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--runs-root", type=Path, default=Path("/tmp/ablation_runs"))
+    p.add_argument("--from-runs", type=Path, default=None, help="read finished runs <arm>_s<seed> from here")
+    p.add_argument("--deadline-s", type=float, default=math.inf, help="start no run after this many seconds")
+    p.add_argument("--run-timeout-s", type=float, default=900.0, help="stop one run after this many seconds")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if "all" not in args.arms:
+        p.error("--arms must include all: every delta is against it")
+    cfg = preset_config(args.overrides)
+    overrides = {arm: arm_overrides(arm, cfg) for arm in args.arms}
+    root = args.from_runs or args.runs_root
+    results: dict[str, dict[int, dict]] = {arm: {} for arm in args.arms}
+    t0 = time.monotonic()
+    payload = {**bench_metadata(sys.argv if argv is None else [__file__, *argv]), "title": "Record ablation"}
+    # Seeds outermost: a call cut short still has every arm at the first seeds.
+    for seed in args.seeds:
+        for arm in args.arms:
+            name = f"{arm}_s{seed}"
+            if args.from_runs is None:
+                if time.monotonic() - t0 > args.deadline_s:
+                    print(f"ablation: deadline reached, {name} not started", flush=True)
+                    continue
+                cmd = [
+                    sys.executable, "-m", "track_1_short.train", f"experiment={PRESET}", f"seed={seed}",
+                    f"runs_root={root}", f"run_name={name}", "progress_bar=false",
+                    *overrides[arm], *args.overrides,
+                ]  # fmt: skip
+                print(f"ablation: {name}: {' '.join(cmd[2:])}", flush=True)
+                try:
+                    subprocess.run(cmd, cwd=REPO_ROOT, timeout=args.run_timeout_s, check=False)
+                except subprocess.TimeoutExpired:
+                    print(f"ablation: {name} ran past {args.run_timeout_s:.0f} s and was stopped", flush=True)
+            figs = run_figures(root / name)
+            if figs is not None:
+                results[arm][seed] = figs
+                print(f"ablation: {name}: {figs}", flush=True)
+            payload["rows"] = rows_of({a: r for a, r in results.items() if r}, overrides)
+            payload["notes"] = [
+                "Deltas: arm's mean minus the all arm's mean (tokens/s in percent, val loss in millinats); "
+                "sd: sample standard deviation over the seeds (None with one seed).",
+                "upstream: record #92's ablation on 8 H100s (its README and PR #360), quoted as written.",
+                "FlexAttention is the stack's only attention kernel: upstream's attention row has no arm.",
+            ]
+            if payload["rows"]:
+                write_bench_json(args.out, payload)
+    return 0 if all(results[a] for a in args.arms) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

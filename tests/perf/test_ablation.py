@@ -1,0 +1,86 @@
+"""perf/ablation.py: each arm's overrides turn exactly its component off, and rows hold the right deltas."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ablation():
+    spec = importlib.util.spec_from_file_location("ablation", ROOT / "perf" / "ablation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def preset(ablation):
+    return ablation.preset_config([])
+
+
+def _components(cfg):
+    sampled = any(p for st in cfg.schedule.stages for p in st.sampled_candidates)
+    return {
+        "ngram": cfg.model.ngram.enabled,
+        "ce_stack": (cfg.model.prefix_targets, sampled),
+        "fp8": (cfg.model.fp8.mlp, cfg.model.fp8.qkv, cfg.model.fp8.lm_head),
+        "tail": cfg.tail.enabled,
+    }
+
+
+def test_each_arm_changes_its_component_and_nothing_else(ablation, preset):
+    base = _components(preset)
+    assert base["ngram"] and base["tail"] and base["ce_stack"] == (True, True)
+    for arm in ablation.ARMS:
+        cfg = ablation.preset_config(ablation.arm_overrides(arm, preset))
+        got = _components(cfg)
+        assert {k for k in got if got[k] != base[k]} == ({arm} if arm != "all" else set()), arm
+        assert cfg.schedule.stages[0].steps == preset.schedule.stages[0].steps and cfg.seed == preset.seed
+    off = {arm: _components(ablation.preset_config(ablation.arm_overrides(arm, preset)))[arm] for arm in base}
+    assert off["ngram"] is False and off["tail"] is False and off["ce_stack"] == (False, False)
+    assert len(set(off["fp8"])) == 1 and off["fp8"][0] != base["fp8"][0]  # all three flipped together
+
+
+def _run_dir(tmp_path, name, tps, val, last, status="finished"):
+    d = tmp_path / name
+    d.mkdir()
+    events = [
+        {"event": "val", "step": 10, "total_steps": 10, "val_loss": val, "val_loss_last_iterate": last},
+        {"event": "summary", "tokens_per_s": tps},
+        {"event": "end", "status": status, "train_time_ms": 5000.0, "timed_loop_graphs": 0},
+    ]
+    (d / "events.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
+    return d
+
+
+def test_rows_are_means_over_seeds_with_deltas_against_all(ablation, tmp_path):
+    figs = {
+        "all": {0: (1000.0, 3.0, 3.02), 1: (1200.0, 3.2, 3.22)},
+        "ngram": {0: (1210.0, 3.15, 3.17), 1: (1430.0, 3.25, 3.27)},
+    }
+    results = {}
+    for arm, by_seed in figs.items():
+        results[arm] = {
+            s: ablation.run_figures(_run_dir(tmp_path, f"{arm}_s{s}", *f)) for s, f in by_seed.items()
+        }
+    rows = {
+        r["arm"]: r for r in ablation.rows_of(results, {"all": [], "ngram": ["model.ngram.enabled=false"]})
+    }
+    assert rows["all"]["tokens_per_s"] == pytest.approx(1100.0) and rows["all"]["d_tokens_per_s_pct"] is None
+    assert rows["ngram"]["tokens_per_s"] == pytest.approx(1320.0)
+    assert rows["ngram"]["d_tokens_per_s_pct"] == pytest.approx(20.0)
+    assert rows["ngram"]["d_val_mnats"] == pytest.approx(100.0)
+    assert rows["ngram"]["val_loss_sd"] == pytest.approx(0.0707107, rel=1e-5)  # sample sd of 3.15, 3.25
+    assert rows["ngram"]["val_loss_last_iterate"] == pytest.approx(3.22)
+    assert rows["ngram"]["upstream"].startswith("n-gram table")
+
+
+def test_an_unfinished_run_is_not_counted(ablation, tmp_path):
+    assert ablation.run_figures(_run_dir(tmp_path, "all_s0", 1.0, 3.0, 3.0, status="stopped")) is None
+    assert ablation.run_figures(tmp_path / "missing") is None
