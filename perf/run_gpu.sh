@@ -22,6 +22,9 @@
 #                         --arm (LEVERS: "name=override ..." per line, default below) -> train_step_levers.json
 #         scaling         perf/scaling.py (the preset through torchrun on 1 and all GPUs; skipped on one GPU)
 #                                                       -> perf/results/scaling.json
+#         ablation        perf/ablation.py (the preset, then each of the record's components off in turn;
+#                         ABLATION_ARGS="--arms all ngram --seeds 0": a subset; 3 seeds of 5 arms by default,
+#                         over an hour on one H100)              -> perf/results/ablation.json
 #         results         perf/results.py               -> perf/RESULTS.md (from every JSON in perf/results/)
 # The image has torch, triton, numpy, scipy, matplotlib, tqdm and pytest, not hydra-core, omegaconf or
 # antlr4: their wheels travel in .whl/ and are installed into .site/; nothing else is installed.
@@ -36,7 +39,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-all_stages=(preset tests replicated_adam optimizer cascade_products train_step loss levers scaling results)
+all_stages=(preset tests replicated_adam optimizer cascade_products train_step loss levers scaling ablation results)
 stages=("$@")
 [[ ${#stages[@]} -gt 0 ]] || stages=("${all_stages[@]}")
 for s in "${stages[@]}"; do
@@ -193,6 +196,13 @@ scaling() {  # only with several GPUs: on one, its K = 1 run is the preset stage
   hand_back perf/results/scaling.json
 }
 
+ablation() {
+  # ABLATION_ARGS is a list of arguments: split on spaces on purpose.
+  # shellcheck disable=SC2086
+  python3 perf/ablation.py ${ABLATION_ARGS:-} --out perf/results/ablation.json 2>&1 | tee -a "$log" || return
+  hand_back perf/results/ablation.json
+}
+
 results_md() {
   python3 perf/results.py 2>&1 | tee -a "$log" || return
   hand_back perf/RESULTS.md
@@ -204,6 +214,7 @@ for s in "${stages[@]}"; do
     tests) run_stage tests gpu_tests ;;
     levers) run_stage levers levers ;;
     scaling) run_stage scaling scaling ;;
+    ablation) run_stage ablation ablation ;;
     results) run_stage results results_md ;;
     *) run_stage "$s" bench "$s" ;;
   esac
