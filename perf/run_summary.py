@@ -9,7 +9,8 @@ FLOPs per token x tokens/s / the bf16 matmul rate given by --matmul-tflops (the 
 FLOPs per token come from the model's ``flops_per_token`` at the stage's document cap and windows: an upper
 bound, since shorter documents have less attention to do (attention is 1-3% of the FLOPs at these windows).
 ``optimizer_pct`` is rank 0's optimizer time over the same intervals (``optimizer_ms`` of the train events,
-see track_1_short/optimizer_time.py), as a share of the train time; None for a run logged without it.
+see track_1_short/optimizer_time.py), as a share of the train time, and ``ngram_pull_pct`` the n-gram table's
+pulls' (``ngram_pull_ms``, track_1_short/ngram_cycle.py); None for a run logged without it.
 The run's phases (data, build, warmup), graph counts, peak memory, the loss curve and the final val loss
 against the corpus floor go into the header and notes.
 """
@@ -41,8 +42,9 @@ def stage_rows(events: list[dict], sched, model_cfg, matmul_tflops: float) -> li
     for i, stage in enumerate(sched.stages):
         lo, hi = starts[i], starts[i + 1]
         prev = None
-        tokens = ms = opt_ms = 0.0
+        tokens = ms = opt_ms = pull_ms = 0.0
         timed_opt = True  # every interval of the stage carries the optimizer's time (runs before it did not)
+        timed_pull = True  # and the n-gram table's pulls (runs with the table)
         for e in train:
             if prev is not None and lo <= prev["step"] and e["step"] <= hi:
                 tokens += e["tokens_seen"] - prev["tokens_seen"]
@@ -50,6 +52,8 @@ def stage_rows(events: list[dict], sched, model_cfg, matmul_tflops: float) -> li
                 # optimizer_ms covers the steps since the previous train event: the same interval
                 timed_opt = timed_opt and "optimizer_ms" in e
                 opt_ms += e.get("optimizer_ms", 0.0)
+                timed_pull = timed_pull and "ngram_pull_ms" in e
+                pull_ms += e.get("ngram_pull_ms", 0.0)
             prev = e
         if ms <= 0:
             continue
@@ -69,6 +73,7 @@ def stage_rows(events: list[dict], sched, model_cfg, matmul_tflops: float) -> li
                 "mfu_pct": 100 * fpt * tokens_per_s / (matmul_tflops * 1e12),
                 "flops_per_token": fpt,
                 "optimizer_pct": 100 * opt_ms / ms if timed_opt else None,
+                "ngram_pull_pct": 100 * pull_ms / ms if timed_pull else None,
             }
         )
     return rows

@@ -86,3 +86,20 @@ def test_optimizer_share_is_its_time_over_the_same_intervals_and_absent_for_runs
     write_run(tmp_path, events)
     rows = {r["stage"]: r for r in summary.summarize(tmp_path, "cmd", "d", 100.0, None)["rows"]}
     assert rows[0]["optimizer_pct"] == pytest.approx(25.0) and rows[1]["optimizer_pct"] is None
+
+
+def test_ngram_pull_share_is_its_time_over_the_same_intervals_and_absent_without_the_table(tmp_path):
+    steps = [(2, 200, 20.0, 99.0), (4, 400, 60.0, 4.0), (6, 1000, 100.0, 2.0), (8, 1600, 140.0, 6.0)]
+    events = [
+        {"step": s, "tokens_seen": t, "train_time_ms": ms, "loss": 1.0, "ngram_pull_ms": p}
+        for s, t, ms, p in steps
+    ]
+    write_run(tmp_path, events)
+    rows = {r["stage"]: r for r in summary.summarize(tmp_path, "cmd", "d", 100.0, None)["rows"]}
+    assert rows[0]["ngram_pull_pct"] == pytest.approx(100 * 4 / 40)
+    assert rows[1]["ngram_pull_pct"] == pytest.approx(100 * 8 / 80)
+    for e in events:
+        del e["ngram_pull_ms"]
+    write_run(tmp_path, events)
+    rows = {r["stage"]: r for r in summary.summarize(tmp_path, "cmd", "d", 100.0, None)["rows"]}
+    assert rows[0]["ngram_pull_pct"] is None and rows[1]["ngram_pull_pct"] is None
