@@ -90,7 +90,7 @@ def test_a_compiled_sampled_loss_makes_one_graph_for_every_candidate_count_and_e
     targets = torch.randint(0, 128, (64,), generator=g).to(device)
     prefix = torch.randint(-1, 256, (64,), generator=g).to(device)
     mtp = torch.tensor([1.0, 0.5], device=device)
-    model = SimpleNamespace(topo=SimpleNamespace(vocab_padded=256))  # all candidate_rows reads
+    model = SimpleNamespace(topo=SimpleNamespace(vocab_padded=256), _candidates_short=None)  # what it reads
 
     def f(x, w, targets, prefix_weight, cand):
         return softcapped_cross_entropy_sum(

@@ -556,12 +556,10 @@ def test_the_compiled_fp8_model_trains_as_the_eager_one_on_cuda():
 
     inp, tgt, cu = (t.cuda() for t in _batch())
     results = {}
-    for mode in ("eager", "compiled"):
+    for mode in ("bf16", "eager", "compiled"):
         torch.manual_seed(0)
-        m = GPT(
-            load_config("tiny", vocab_size=1024, fp8={"mlp": True, "qkv": True, "lm_head": True}),
-            device="cuda",
-        )
+        fp8 = {"mlp": True, "qkv": True, "lm_head": True} if mode != "bf16" else {}
+        m = GPT(load_config("tiny", vocab_size=1024, fp8=fp8), device="cuda")
         with torch.no_grad():
             m.mlp_bank[:, 1].normal_(0, 0.02)
         m.refresh_fp8()
@@ -574,18 +572,23 @@ def test_the_compiled_fp8_model_trains_as_the_eager_one_on_cuda():
         results[mode] = (
             loss.detach(),
             [p.grad.float() for p in m.parameters() if p.grad is not None],
-            st.clip_counts(),
+            st.clip_counts() if st is not None else None,
         )
-        assert (
-            torch.stack(st.mlp["post_amax"]).gt(0).any() and torch.stack(st.mlp["dpre_amax"]).gt(0).any()
-        )  # the graphs' mutations landed
-    (le, ge, ce), (lc, gc, cc) = results["eager"], results["compiled"]
-    # Inductor fuses the quantises into other kernels and may round an fp32 intermediate once where eager
-    # rounds it twice (a bf16 pre or post), which moves a value to the neighbouring FP8 number at worst:
-    # the loss within 1e-3 relative, each gradient within 5% of its norm (the FP8 error itself is ~6-9%).
+        if st is not None:
+            assert (
+                torch.stack(st.mlp["post_amax"]).gt(0).any() and torch.stack(st.mlp["dpre_amax"]).gt(0).any()
+            )  # the graphs' mutations landed
+    (_, gb, _), (le, ge, ce), (lc, gc, cc) = results["bf16"], results["eager"], results["compiled"]
+    # Inductor fuses the quantises into other kernels and keeps in fp32 some intermediates that eager rounds
+    # to bf16 (pre, post), so some values land on the neighbouring FP8 number: compiled and eager are two
+    # realisations of the same FP8 error (one e4m3 step is 2^-3 relative, an e5m2 step 2^-2), not one
+    # another's copy; on an H100 one gradient of the two differed by 8.4% of its norm. What must hold: the
+    # loss within 1e-3 relative, and each compiled gradient as close to the bf16 model's as the eager one's
+    # is, within a margin of half that error for the realisation's spread.
     assert torch.isfinite(lc) and abs(lc - le) <= 1e-3 * abs(le)
-    for a, b in zip(ge, gc):
-        assert (a - b).norm() <= 0.05 * a.norm() + 1e-12
+    for ref, e, c in zip(gb, ge, gc):
+        err_e, err_c = (e - ref).norm(), (c - ref).norm()
+        assert err_c <= 1.5 * err_e + 1e-6 * ref.norm(), (err_c / ref.norm(), err_e / ref.norm())
     assert torch.equal(ce[1], cc[1])  # the same operands were counted
 
 
