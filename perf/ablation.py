@@ -2,7 +2,7 @@
 
     python perf/ablation.py --seeds 0 1 2 --out perf/results/ablation.json            # every arm, 3 seeds
     python perf/ablation.py --arms all ngram --seeds 0 --out /tmp/ablation.json        # a subset
-    python perf/ablation.py --from-runs /tmp/ablation_runs --out perf/results/ablation.json   # re-read runs
+    python perf/ablation.py --from-runs DIR --command "..." --out perf/results/ablation.json   # re-read runs
 
 Each run is ``python -m track_1_short.train experiment=record_1gpu seed=S`` plus the arm's overrides (one
 process per run, as a user runs it). An arm turns one of the record's components off relative to the preset
@@ -22,12 +22,16 @@ and final val loss (the one the record gate reads) as mean and sample standard d
 last iterate's val loss, and the deltas against ``all`` (tokens/s in percent, val loss in millinats).
 ``upstream`` quotes upstream's ablation for the same component (record #92's README, PR #360): its wall and
 val deltas on 8 H100s at the record's 1,194 steps, and the net seconds it cost to recover 3.28. The JSON is
-rewritten after every run, so a call cut short still hands back what finished.
+rewritten after every run, so a call cut short still hands back what finished. ``--from-runs`` reads
+finished runs ``<arm>_s<seed>`` (made by this script, possibly over several calls) instead of running them;
+the card and versions are then the runs' own (their env.json), and ``--command`` names the command that made
+them.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import subprocess
@@ -146,18 +150,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--runs-root", type=Path, default=Path("/tmp/ablation_runs"))
     p.add_argument("--from-runs", type=Path, default=None, help="read finished runs <arm>_s<seed> from here")
+    p.add_argument("--command", default=None, help="with --from-runs: the command that made the runs")
+    p.add_argument(
+        "--note", action="append", default=[], help="a note on how the runs were made (repeatable)"
+    )
     p.add_argument("--deadline-s", type=float, default=math.inf, help="start no run after this many seconds")
     p.add_argument("--run-timeout-s", type=float, default=900.0, help="stop one run after this many seconds")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if "all" not in args.arms:
         p.error("--arms must include all: every delta is against it")
+    if (args.from_runs is None) != (args.command is None):
+        p.error("--command goes with --from-runs (and only there): the command that made the runs")
     cfg = preset_config(args.overrides)
     overrides = {arm: arm_overrides(arm, cfg) for arm in args.arms}
     root = args.from_runs or args.runs_root
     results: dict[str, dict[int, dict]] = {arm: {} for arm in args.arms}
     t0 = time.monotonic()
     payload = {**bench_metadata(sys.argv if argv is None else [__file__, *argv]), "title": "Record ablation"}
+    if args.from_runs is not None:  # the runs' card and versions, not this machine's
+        env = json.loads((args.from_runs / f"all_s{args.seeds[0]}" / "env.json").read_text())
+        payload.update(
+            command=args.command,
+            device=env["devices"][0]["name"],
+            **{k: env.get(k) for k in ("torch", "triton", "cuda")},
+        )
     # Seeds outermost: a call cut short still has every arm at the first seeds.
     for seed in args.seeds:
         for arm in args.arms:
@@ -186,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 "sd: sample standard deviation over the seeds (None with one seed).",
                 "upstream: record #92's ablation on 8 H100s (its README and PR #360), quoted as written.",
                 "FlexAttention is the stack's only attention kernel: upstream's attention row has no arm.",
+                *args.note,
             ]
             if payload["rows"]:
                 write_bench_json(args.out, payload)
