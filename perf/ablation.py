@@ -10,7 +10,8 @@ process per run, as a user runs it). An arm turns one of the record's components
 
 - ``all``: the preset as configured;
 - ``ngram``: the hashed n-gram table off;
-- ``ce_stack``: the sampled softmax (full softmax at every stage) and the prefix-token loss off;
+- ``ce_stack``: the sampled softmax (full softmax at every stage) and the prefix-token loss (table and
+  weights) off;
 - ``fp8``: the FP8 MLP, QKV and logits GEMMs flipped;
 - ``tail``: tail averaging off (every run also reports its last iterate's val loss, so the tail's val effect
   is in every row; this arm prices its time).
@@ -56,13 +57,16 @@ ARMS = ("all", "ngram", "ce_stack", "fp8", "tail")
 
 
 def preset_config(overrides: list[str]):
-    """The composed, typed config of the preset with ``overrides`` (what a run of it would use)."""
+    """The composed, typed config of the preset with ``overrides`` (what a run of it would use), refused
+    as a one-GPU run would refuse it (config.check_run)."""
     from hydra import compose, initialize_config_dir
 
-    from track_1_short.config import to_object
+    from track_1_short.config import check_run, to_object
 
     with initialize_config_dir(str(REPO_ROOT / "configs"), version_base=None):
-        return to_object(compose("train", overrides=[f"experiment={PRESET}", *overrides]))
+        cfg = to_object(compose("train", overrides=[f"experiment={PRESET}", *overrides]))
+    check_run(cfg, world_size=1)
+    return cfg
 
 
 def arm_overrides(arm: str, cfg) -> list[str]:
@@ -72,8 +76,12 @@ def arm_overrides(arm: str, cfg) -> list[str]:
     if arm == "ngram":
         return ["model.ngram.enabled=false"]
     if arm == "ce_stack":
-        stages = [f"schedule.stages.{i}.sampled_candidates=[0]" for i in range(len(cfg.schedule.stages))]
-        return [*stages, "model.prefix_targets=false"]
+        stages = range(len(cfg.schedule.stages))
+        return [
+            *(f"schedule.stages.{i}.sampled_candidates=[0]" for i in stages),
+            *(f"schedule.stages.{i}.prefix_weights=[0.0]" for i in stages),
+            "model.prefix_targets=false",
+        ]
     if arm == "fp8":
         on = "false" if cfg.model.fp8.any else "true"
         return [f"model.fp8.{path}={on}" for path in ("mlp", "qkv", "lm_head")]
@@ -112,7 +120,11 @@ def shown(overrides: list[str]) -> str:
     """The overrides as a table cell: the per-stage ones of the ce_stack arm as one phrase."""
     stages = [o for o in overrides if o.startswith("schedule.stages.")]
     rest = [o for o in overrides if o not in stages]
-    return " ".join(rest + (["schedule.stages.*.sampled_candidates=[0]"] if stages else []))
+    values = {}  # schedule.stages.<i>.<field>=<value>: field -> value
+    for o in stages:
+        key, value = o.split("=", 1)
+        values[key.split(".")[3]] = value
+    return " ".join(rest + [f"schedule.stages.*.{f}={v}" for f, v in sorted(values.items())])
 
 
 def rows_of(results: dict[str, dict[int, dict]], overrides: dict[str, list[str]]) -> list[dict]:

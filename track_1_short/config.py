@@ -360,7 +360,8 @@ def check_loss_schedule(cfg: TrainConfig) -> None:
                 )
         if not cfg.model.prefix_targets:
             raise ConfigError(
-                f"{where} is nonzero, but the model has no prefix table: set model.prefix_targets=true."
+                f"{where} is nonzero, but the model has no prefix table: set model.prefix_targets=true, or "
+                "every stage's prefix_weights to [0.0]."
             )
     if any(p > 0 for s in stages for p in s.sampled_candidates):
         try:

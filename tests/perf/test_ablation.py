@@ -47,6 +47,13 @@ def test_each_arm_changes_its_component_and_nothing_else(ablation, preset):
     assert len(set(off["fp8"])) == 1 and off["fp8"][0] != base["fp8"][0]  # all three flipped together
 
 
+def test_an_arms_overrides_read_as_one_cell(ablation, preset):
+    assert ablation.shown(ablation.arm_overrides("ce_stack", preset)) == (
+        "model.prefix_targets=false schedule.stages.*.prefix_weights=[0.0] "
+        "schedule.stages.*.sampled_candidates=[0]"
+    )
+
+
 def _run_dir(tmp_path, name, tps, val, last, status="finished"):
     d = tmp_path / name
     d.mkdir()
