@@ -55,7 +55,7 @@ def recorded(tmp_path_factory):
         "split_model": [],
         "split_opt": [],
         "loss_fields": [],
-        "candidate_rows": [],
+        "candidate_sets": [],
     }
     current = {"step": None}
 
@@ -90,9 +90,9 @@ def recorded(tmp_path_factory):
     wrap(t.opt, "split_embed", lambda: calls["split_opt"].append(current["step"]))
     wrap(t.model, "split_embed", lambda: calls["split_model"].append(current["step"]))
     wrap(
-        t.model,
-        "candidate_rows",
-        lambda targets, p, offset: calls["candidate_rows"].append((current["step"], p, int(offset))),
+        t.model.candidate_sets,
+        "build",
+        lambda targets, p, offset: calls["candidate_sets"].append((current["step"], p, int(offset))),
     )
 
     def recording(real_forward):
@@ -185,7 +185,7 @@ def test_model_receives_the_planned_prefix_weight_and_candidate_count_on_every_m
     }
     # One candidate set per sampled micro batch, of the planned P; each micro batch of a step starts its
     # negatives elsewhere.
-    built = calls["candidate_rows"]
+    built = calls["candidate_sets"]
     assert [(s, p) for s, p, _ in built] == [
         (s, f["candidates"].numel()) for s, f in train if f.get("candidates") is not None
     ]

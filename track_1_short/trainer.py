@@ -364,7 +364,7 @@ class Trainer:
             cu = fixed_boundaries(b.cu_seqlens, micro)
             if p:
                 offset = self._sweep_offset(step, m, accum, p)
-                extra["candidates"] = self.model.candidate_rows(b.targets, p, offset)
+                extra["candidates"] = self.model.candidate_sets.build(b.targets, p, offset)
             # The n-gram rows are looked up here and enter as tensors: the compiled forward traces their
             # embedding, with no graph break on the lookup (the table-off graph count).
             ngram = {"ngram": self.model.ngram_rows(b.inputs, cu)} if self.ngram is not None else {}
@@ -392,7 +392,7 @@ class Trainer:
     def _loss_fields(self, plan, micro: int) -> tuple[dict, int]:
         """The step's prefix weight (a device tensor: no new graph when it changes), and the sampled softmax's
         P for this micro-batch size (0: the full softmax), whose candidate sets enter the forward as tensors
-        of dynamic length (GPT.candidate_rows): one graph for every P."""
+        of dynamic length (model/sampled_softmax.CandidateSets): one graph for every P."""
         extra: dict = {}
         if self.prefix_on:
             weight = torch.tensor([plan.prefix_weight], dtype=torch.float32)
@@ -440,7 +440,7 @@ class Trainer:
             t_step = time.perf_counter()
             self.train_step(s)
             _sync(self.device)
-            self.model.check_candidates()  # a too-small P stops the run here, before the clock starts
+            self.model.candidate_sets.check()  # a too-small P stops the run here, before the clock starts
             self.phases.say(
                 f"  warmup step {k + 1}/{len(steps)} (schedule step {s}): "
                 f"{time.perf_counter() - t_step:.1f} s, graphs so far {self.graphs_made()}"
@@ -570,7 +570,7 @@ class Trainer:
                 want_ckpt = (cfg.checkpoint.final and last) or (every > 0 and done % every == 0 and not last)
                 if done % check_every == 0 or want_val or want_ckpt or done % cfg.log_every == 0:
                     checked = self._check_losses(pending)  # a device sync: the time below is real
-                    self.model.check_candidates()
+                    self.model.candidate_sets.check()
                     now = time.perf_counter()
                     pending = []
                     elapsed = self.train_time_ms + 1e3 * (now - t0)

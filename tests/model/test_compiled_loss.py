@@ -76,13 +76,11 @@ def test_new_mtp_weights_reach_a_compiled_loss_without_a_new_graph(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_compiled_sampled_loss_makes_one_graph_for_every_candidate_count_and_equals_eager(device):
-    # The trainer's inputs: the candidate set built outside the graph by GPT.candidate_rows (its length
+    # The trainer's inputs: the candidate set built outside the graph by CandidateSets.build (its length
     # dynamic), the prefix weight a device tensor: a new P, weight or offset is data, not a new graph.
-    from types import SimpleNamespace
-
     from torch._dynamo.utils import counters
 
-    from track_1_short.model.gpt import GPT
+    from track_1_short.model.sampled_softmax import CandidateSets
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(64, 16, generator=g).to(device)
@@ -90,7 +88,7 @@ def test_a_compiled_sampled_loss_makes_one_graph_for_every_candidate_count_and_e
     targets = torch.randint(0, 128, (64,), generator=g).to(device)
     prefix = torch.randint(-1, 256, (64,), generator=g).to(device)
     mtp = torch.tensor([1.0, 0.5], device=device)
-    model = SimpleNamespace(topo=SimpleNamespace(vocab_padded=256), _candidates_short=None)  # what it reads
+    sets = CandidateSets(256)
 
     def f(x, w, targets, prefix_weight, cand):
         return softcapped_cross_entropy_sum(
@@ -111,7 +109,7 @@ def test_a_compiled_sampled_loss_makes_one_graph_for_every_candidate_count_and_e
     counters.clear()
     cf = torch.compile(f, backend="aot_eager", dynamic=False)
     for step, (weight, p) in enumerate([(0.25, 96), (0.2, 96), (0.1, 128), (0.0, 128), (0.0, 192)]):
-        cand = GPT.candidate_rows(model, targets, p, torch.tensor(step * 37, device=device))
+        cand = sets.build(targets, p, torch.tensor(step * 37, device=device))
         args = (torch.tensor([weight], device=device), cand)
         eager = loss_and_grads(lambda x, w, t, args: f(x, w, t, *args), x, w, targets, args)
         compiled = loss_and_grads(lambda x, w, t, args: cf(x, w, t, *args), x, w, targets, args)

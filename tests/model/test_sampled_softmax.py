@@ -175,7 +175,7 @@ def test_a_target_missing_from_the_set_is_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["reference", "fused"])
 def test_on_cuda_a_short_set_is_scored_without_a_device_assert(impl):
-    # The GPU never waits on the check: the run goes on to GPT.check_candidates' one-line stop (tested above).
+    # The GPU never waits on the check: the run goes on to CandidateSets.check's one-line stop (tested above).
     many = torch.arange(200, device="cuda")  # 200 distinct targets cannot fit 96 candidates
     x = torch.randn(200, 16, device="cuda")
     w = torch.randn(16, 256, device="cuda") * 0.5
@@ -234,7 +234,7 @@ def test_an_evaluation_forward_never_samples(tiny_model_and_batch):
     model.eval()
     with torch.no_grad():
         full = model(inputs, targets, cu, windows)
-        cand = model.candidate_rows(targets, 256, 3)
+        cand = model.candidate_sets.build(targets, 256, 3)
         sampled_args = model(inputs, targets, cu, windows, None, None, cand)
         val = model.val_loss_sum(inputs, targets, cu, windows)
     assert torch.equal(full, sampled_args) and torch.equal(full, val)
@@ -243,19 +243,20 @@ def test_an_evaluation_forward_never_samples(tiny_model_and_batch):
     assert not torch.equal(trained.detach(), full)  # the training forward does sample
 
 
-def test_a_set_short_of_a_target_is_flagged_and_check_candidates_stops_with_one_line(tiny_model_and_batch):
+def test_a_set_short_of_a_target_is_flagged_and_the_check_stops_with_one_line(tiny_model_and_batch):
     # The GPU's path: the set is built without a host sync, and the trainer's next device read stops the run.
     from track_1_short.model.config import ModelConfigError
 
     model, (inputs, targets, cu), _ = tiny_model_and_batch
     distinct = int(targets.unique().numel())
-    model.candidate_rows(targets, distinct, 0)
-    model.check_candidates()  # exactly enough: no error
-    model.candidate_rows(targets, distinct - 1, 0)
-    model.candidate_rows(targets, distinct, 5)  # a later good set does not clear the flag
+    sets = model.candidate_sets
+    sets.build(targets, distinct, 0)
+    sets.check()  # exactly enough: no error
+    sets.build(targets, distinct - 1, 0)
+    sets.build(targets, distinct, 5)  # a later good set does not clear the flag
     with pytest.raises(ModelConfigError, match="more distinct targets than its candidate count P"):
-        model.check_candidates()
-    model.check_candidates()  # read and cleared
+        sets.check()
+    sets.check()  # read and cleared
 
 
 # -- any world size, any number of micro batches --

@@ -84,7 +84,7 @@ from track_1_short.model.layers import (
 )
 from track_1_short.model.ngram import NgramTable, new_sign_pool, ngram_embedding, ngram_indices
 from track_1_short.model.prefix_targets import prefix_table
-from track_1_short.model.sampled_softmax import candidate_set
+from track_1_short.model.sampled_softmax import CandidateSets
 
 
 def _unpack_lanes(gate: Tensor, lanes: dict[str, dict[int, tuple[int, int]]]) -> dict[str, dict[int, Tensor]]:
@@ -185,7 +185,8 @@ class GPT(nn.Module):
         self.register_load_state_dict_post_hook(GPT._sync_host_state)
         # FP8 weight copies and scales: derived state outside the state dict (model/fp8.py).
         self._fp8 = FP8State(cfg.fp8) if cfg.fp8.any else None
-        self._candidates_short: Tensor | None = None  # candidate_rows' flag, read by check_candidates
+        # The sampled softmax's candidate sets, built outside a compiled forward (model/sampled_softmax.py).
+        self.candidate_sets = CandidateSets(self.topo.vocab_padded)
 
         self.label_parameters()
         if build != "meta":
@@ -277,35 +278,6 @@ class GPT(nn.Module):
         compiled forward, and the gradient still lands on the table's sink."""
         rows, signs = self.ngram_indices(inputs, cu_seqlens)
         return self._attached_table().lookup(rows, check=self.cfg.check_inputs), signs
-
-    def candidate_rows(self, targets: Tensor, p: int, offset: int | Tensor) -> Tensor:
-        """The sampled softmax's candidate set (int64 [p], model/sampled_softmax.py) of a micro batch with
-        these targets, for :meth:`forward`'s ``candidates``; its negatives' sweep starts at ``offset``.
-
-        Built here, outside a compiled forward, and marked dynamic in its length: the forward only hands it
-        to the loss op, so one graph takes every P of the schedule (an int P inside the graph made one graph,
-        and a whole-model compile, per value)."""
-        cand = candidate_set(targets, self.topo.vocab_padded, p, offset)
-        torch._dynamo.mark_dynamic(cand, 0)  # read only by a compiled forward; eager ignores it
-        # A set short of a target is flagged on the device, not checked here: a check would wait for the
-        # device every micro batch, and the loss cannot raise from a kernel (check_candidates reads it).
-        seen = torch.zeros(self.topo.vocab_padded, dtype=torch.bool, device=targets.device)
-        short = seen.index_fill_(0, targets, True).sum() > p
-        flag = self._candidates_short
-        self._candidates_short = short if flag is None else flag | short
-        return cand
-
-    def check_candidates(self) -> None:
-        """Raise ModelConfigError if a candidate set built since the last call missed one of its micro batch's
-        targets (more distinct targets than P). A device read: call it where the host waits anyway (the
-        trainer's warmup steps and log steps). On CUDA the loss scored such a target against candidate 0
-        meanwhile; on the CPU it has already refused it."""
-        flag, self._candidates_short = self._candidates_short, None
-        if flag is not None and bool(flag):
-            raise ModelConfigError(
-                "sampled softmax: a micro batch held more distinct targets than its candidate count P; raise "
-                "the stages' schedule sampled_candidates, or lower micro_batch_tokens (P scales with it)."
-            )
 
     def _attached_table(self) -> NgramTable:
         if self.ngram_table is None:
@@ -500,7 +472,7 @@ class GPT(nn.Module):
         Training forwards only (an evaluation forward ignores them): prefix_weight, the prefix-token target's
         weight (a float, or an fp32 tensor on the model's device: no new graph when it changes; needs
         ``prefix_targets``; None: no term); candidates, the sampled softmax's candidate set as
-        :meth:`candidate_rows` builds it (None: the full softmax).
+        ``candidate_sets.build`` makes it (None: the full softmax).
         """
         mtp = [1.0] if mtp_weights is None else mtp_weights
         if self.cfg.check_inputs:

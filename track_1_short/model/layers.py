@@ -343,7 +343,8 @@ def _check_targets_are_candidates(positions: Tensor, p: int) -> Tensor:
 
     On the CPU that stops the run here. On CUDA a check would wait for the device, and a device assert
     kills the process without a readable message: such a target is scored against candidate 0 (an in-bounds
-    read) and GPT.check_candidates stops the run with the message below at the trainer's next log step."""
+    read) and CandidateSets.check (model/sampled_softmax.py) stops the run with the message below at the
+    trainer's next log step."""
     if positions.is_cuda:
         return positions.clamp(min=0)
     if int(positions.min()) < 0:

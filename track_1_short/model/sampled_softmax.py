@@ -24,7 +24,7 @@ so across steps every class is drawn about equally often, with no random state t
 keeps a per-rank cursor that advances by about 1.7 x its draw; here the offset is a function of the step and
 the micro batch, so a resumed or re-warmed run draws the same sets, and one micro batch's set does not depend
 on the world size that holds it. The build is a few passes over [V] on the device with fixed shapes and no
-host sync, outside the compiled forward (GPT.candidate_rows), which takes sets of any P with one graph.
+host sync, outside the compiled forward (CandidateSets.build), which takes sets of any P with one graph.
 
 P and the micro batch: the set must hold every distinct target. Upstream's counts are for its per-rank micro
 batch of 49,152 tokens (about 11k distinct targets at P = 14,336). A larger micro batch holds more distinct
@@ -91,3 +91,41 @@ def candidate_set(targets: Tensor, vocab: int, p: int, offset: Tensor | int) -> 
     n_chosen = torch.cumsum(chosen, 0)
     place = torch.where(chosen, n_chosen - 1, n_chosen[-1] + j - n_chosen)
     return torch.empty_like(j).scatter(0, place, j)[:p]
+
+
+class CandidateSets:
+    """The candidate sets of a model's training micro batches, and the check that each held its targets.
+
+    :meth:`build` runs outside a compiled forward and marks the set dynamic in its length: the forward only
+    hands it to the loss op, so one graph takes every P of the schedule (an int P inside the graph made one
+    graph, and a whole-model compile, per value). A set short of a target (more distinct targets than P) is
+    flagged on the device, not checked there: a check would wait for the device every micro batch, and the
+    loss cannot raise from a kernel. :meth:`check` reads the flag where the host waits anyway (the trainer's
+    warmup steps and log steps)."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self._short: Tensor | None = None
+
+    def build(self, targets: Tensor, p: int, offset: int | Tensor) -> Tensor:
+        """The candidate set (int64 [p]) of a micro batch with these targets, its sweep starting at
+        ``offset``: for the forward's ``candidates``."""
+        cand = candidate_set(targets, self.vocab, p, offset)
+        torch._dynamo.mark_dynamic(cand, 0)  # read only by a compiled forward; eager ignores it
+        seen = torch.zeros(self.vocab, dtype=torch.bool, device=targets.device)
+        short = seen.index_fill_(0, targets, True).sum() > p
+        self._short = short if self._short is None else self._short | short
+        return cand
+
+    def check(self) -> None:
+        """Raise ModelConfigError if a set built since the last call missed one of its micro batch's targets
+        (on CUDA the loss scored such a target against candidate 0 meanwhile; on the CPU it has already
+        refused it). A device read."""
+        from track_1_short.model.config import ModelConfigError
+
+        flag, self._short = self._short, None
+        if flag is not None and bool(flag):
+            raise ModelConfigError(
+                "sampled softmax: a micro batch held more distinct targets than its candidate count P; raise "
+                "the stages' schedule sampled_candidates, or lower micro_batch_tokens (P scales with it)."
+            )
