@@ -70,36 +70,23 @@ def test_the_runs_own_summary_supplies_the_reference_lines(tmp_path):
     assert out["tokens_per_s_overall"] == 1e4
 
 
-def test_optimizer_share_is_its_time_over_the_same_intervals_and_absent_for_runs_without_it(tmp_path):
-    # Stage 0: interval 2-4 (40 ms, 10 of them optimizer); stage 1: 4-6 and 6-8 (80 ms, 6 + 14 optimizer).
-    # The first event's optimizer_ms (its interval has no earlier event) is left out with its interval.
+@pytest.mark.parametrize(
+    ("field", "share"), [("optimizer_ms", "optimizer_pct"), ("ngram_pull_ms", "ngram_pull_pct")]
+)
+def test_a_timed_parts_share_is_its_time_over_the_same_intervals_and_absent_for_runs_without_it(
+    tmp_path, field, share
+):
+    # Stage 0: interval 2-4 (40 ms, 10 of them the part's); stage 1: 4-6 and 6-8 (80 ms, 6 + 14 the part's).
+    # The first event's time (its interval has no earlier event) is left out with its interval.
     steps = [(2, 200, 20.0, 99.0), (4, 400, 60.0, 10.0), (6, 1000, 100.0, 6.0), (8, 1600, 140.0, 14.0)]
     events = [
-        {"step": s, "tokens_seen": t, "train_time_ms": ms, "loss": 1.0, "optimizer_ms": o}
-        for s, t, ms, o in steps
+        {"step": s, "tokens_seen": t, "train_time_ms": ms, "loss": 1.0, field: o} for s, t, ms, o in steps
     ]
     write_run(tmp_path, events)
     rows = {r["stage"]: r for r in summary.summarize(tmp_path, "cmd", "d", 100.0, None)["rows"]}
-    assert rows[0]["optimizer_pct"] == pytest.approx(100 * 10 / 40)
-    assert rows[1]["optimizer_pct"] == pytest.approx(100 * 20 / 80)
-    del events[2]["optimizer_ms"]  # a run logged before the trainer timed its optimizer
+    assert rows[0][share] == pytest.approx(100 * 10 / 40)
+    assert rows[1][share] == pytest.approx(100 * 20 / 80)
+    del events[2][field]  # a run logged before the trainer timed this part (or without the n-gram table)
     write_run(tmp_path, events)
     rows = {r["stage"]: r for r in summary.summarize(tmp_path, "cmd", "d", 100.0, None)["rows"]}
-    assert rows[0]["optimizer_pct"] == pytest.approx(25.0) and rows[1]["optimizer_pct"] is None
-
-
-def test_ngram_pull_share_is_its_time_over_the_same_intervals_and_absent_without_the_table(tmp_path):
-    steps = [(2, 200, 20.0, 99.0), (4, 400, 60.0, 4.0), (6, 1000, 100.0, 2.0), (8, 1600, 140.0, 6.0)]
-    events = [
-        {"step": s, "tokens_seen": t, "train_time_ms": ms, "loss": 1.0, "ngram_pull_ms": p}
-        for s, t, ms, p in steps
-    ]
-    write_run(tmp_path, events)
-    rows = {r["stage"]: r for r in summary.summarize(tmp_path, "cmd", "d", 100.0, None)["rows"]}
-    assert rows[0]["ngram_pull_pct"] == pytest.approx(100 * 4 / 40)
-    assert rows[1]["ngram_pull_pct"] == pytest.approx(100 * 8 / 80)
-    for e in events:
-        del e["ngram_pull_ms"]
-    write_run(tmp_path, events)
-    rows = {r["stage"]: r for r in summary.summarize(tmp_path, "cmd", "d", 100.0, None)["rows"]}
-    assert rows[0]["ngram_pull_pct"] is None and rows[1]["ngram_pull_pct"] is None
+    assert rows[0][share] == pytest.approx(25.0) and rows[1][share] is None
