@@ -125,8 +125,8 @@ def test_unknown_group_option_fails_at_compose_time():
         ("checkpoint.every=-1", "checkpoint.every"),
         ("micro_batch_tokens=-5", "micro_batch_tokens"),
         ("checkpoint.every=3", "multiple of optim.adam_every"),
-        # The default run has 80 steps: a cadence of the run's length or more would write nothing.
-        ("checkpoint.every=80", "writes no checkpoint in a run of 80 steps"),
+        # The default run has 58 steps: a cadence of the run's length or more would write nothing.
+        ("checkpoint.every=58", "writes no checkpoint in a run of 58 steps"),
     ],
 )
 def test_impossible_run_fields_raise_config_error(override, match):
@@ -175,7 +175,7 @@ GPT2 = {"model.vocab_size": 50257, "data.vocab_size": 50257, "data.bos_id": 5025
 COMPACT = {"model.vocab_size": 2176, "data.vocab_size": 2176, "data.bos_id": 2175, "data.val_tokens": 8192}
 # Every `python -m track_1_short.train` line of the README (its overrides) -> what it must compose.
 README_COMMANDS = {
-    "": {**COMPACT, "steps": 80, "model.num_layers": 8, "data.kind": "synthetic"},
+    "": {**COMPACT, "steps": 58, "model.num_layers": 8, "data.kind": "synthetic"},
     "experiment=record": {**GPT2, "steps": 1194, "model.num_layers": 11, "data.kind": "shards"},
     "seed=3 schedule.lr_floor=0.2 optim.adam_every=1": {
         **COMPACT,

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.model.conftest import BOS, load_config, packed_batch
 from track_1_short import cpu_bf16_matmul
-from track_1_short.cpu_bf16_matmul import active, fp32_matmuls, resolve
+from track_1_short.cpu_bf16_matmul import Fp32Bf16Matmuls, active, fp32_matmuls, resolve
 from track_1_short.model.gpt import GPT
 from track_1_short.optim.anvil import AnvilAndAdam, OptimConfig
 
@@ -209,6 +209,14 @@ def test_the_mode_is_popped_on_exit_and_on_an_error():
     with pytest.raises(RuntimeError, match="planted"), fp32_matmuls():
         raise RuntimeError("planted")
     assert not active()
+
+
+def test_the_mode_dispatches_without_dynamos_per_op_wrapper():
+    # torch wraps a mode's __torch_dispatch__ in a Dynamo-disable context unless the mode opts out; the
+    # wrapper's two frame-evaluator swaps were about half of what the mode adds to each op it sees.
+    assert not hasattr(Fp32Bf16Matmuls.__dict__["__torch_dispatch__"], "__wrapped__")
+    with fp32_matmuls() as mode:
+        assert type(mode).__torch_dispatch__ is Fp32Bf16Matmuls.__dict__["__torch_dispatch__"]
 
 
 # -- completeness: a whole training step --

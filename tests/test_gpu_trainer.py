@@ -20,6 +20,32 @@ def events(run_dir):
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
 
 
+def run_stages(tmp_path, stages: str, *overrides: str):
+    """trainer.run on CUDA over the schedule ``stages`` (comma-joined stage dicts), with record-sized micro
+    batches (49,152 tokens) and a 65,536-token validation, plus ``overrides``."""
+    from hydra import compose, initialize_config_dir
+
+    from tests.test_train import CONFIGS
+
+    common = [
+        f"runs_root={tmp_path}",
+        "device=cuda",
+        "progress_bar=false",
+        f"schedule.stages=[{stages}]",
+        "schedule.rail_warmup_steps=4",
+        "schedule.rail_cooldown_steps=2",
+        "micro_batch_tokens=49152",
+        "data.val_tokens=65536",
+        "data.val_batch_tokens=65536",
+        "data.synthetic.val_tokens=65536",
+        "model.max_seq_len=65536",
+        "log_every=1",
+    ]
+    with initialize_config_dir(str(CONFIGS), version_base=None):
+        cfg = compose("train", overrides=common + list(overrides))
+    return trainer.run(cfg)
+
+
 def test_compiled_steps_lower_the_loss_from_the_first_step_and_match_eager(tmp_path):
     common = ["device=cuda", "warmup=false", "check_every=1", "log_every=1", "schedule.lr_floor=1.0"]
     compiled = trainer.run(short_cfg(str(tmp_path / "c"), *common, "compile=true"))
@@ -57,30 +83,13 @@ def test_the_timed_loop_makes_no_graph_over_the_record_schedules_shapes(tmp_path
             (32768, 3072, 6, 13, "[1.0]", "", True),
         )
     )
-    from hydra import compose, initialize_config_dir
-
-    from tests.test_train import CONFIGS
-
-    overrides = [
-        f"runs_root={tmp_path}",
-        "device=cuda",
-        "progress_bar=false",
-        f"schedule.stages=[{stages}]",
+    result = run_stages(
+        tmp_path,
+        stages,
         "schedule.split_embed_step=25",
-        "schedule.rail_warmup_steps=4",
-        "schedule.rail_cooldown_steps=2",
-        "micro_batch_tokens=49152",
-        "data.val_tokens=65536",
-        "data.val_batch_tokens=65536",
         "data.synthetic.train_tokens=4194304",
-        "data.synthetic.val_tokens=65536",
         "data.synthetic.shard_tokens=2097152",
-        "model.max_seq_len=65536",
-        "log_every=1",
-    ]
-    with initialize_config_dir(str(CONFIGS), version_base=None):
-        cfg = compose("train", overrides=overrides)
-    result = trainer.run(cfg)
+    )
     ev = events(result.run_dir)
     end = next(e for e in ev if e["event"] == "end")  # the run's summary event follows it
     assert end["status"] == "finished"
@@ -104,30 +113,13 @@ def test_the_timed_loop_makes_no_graph_over_the_sampled_softmaxs_candidate_count
         f"{{steps:6,batch_tokens:{b},max_doc_len:2048,window_short:1,window_long:3,sampled_candidates:{p}}}"
         for b, p in ((32768, "[640]"), (49152, "[640]"), (49152, "[768,768,1024]"), (32768, "[0]"))
     )
-    from hydra import compose, initialize_config_dir
-
-    from tests.test_train import CONFIGS
-
-    overrides = [
-        f"runs_root={tmp_path}",
-        "device=cuda",
-        "progress_bar=false",
-        f"schedule.stages=[{stages}]",
-        "schedule.rail_warmup_steps=4",
-        "schedule.rail_cooldown_steps=2",
-        "micro_batch_tokens=49152",
-        "data.val_tokens=65536",
-        "data.val_batch_tokens=65536",
+    result = run_stages(
+        tmp_path,
+        stages,
         "data.synthetic.n_words=512",
         "data.synthetic.train_tokens=2097152",
-        "data.synthetic.val_tokens=65536",
         "data.synthetic.shard_tokens=1048576",
-        "model.max_seq_len=65536",
-        "log_every=1",
-    ]
-    with initialize_config_dir(str(CONFIGS), version_base=None):
-        cfg = compose("train", overrides=overrides)
-    result = trainer.run(cfg)
+    )
     ev = events(result.run_dir)
     end = next(e for e in ev if e["event"] == "end")
     assert end["status"] == "finished"

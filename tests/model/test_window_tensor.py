@@ -17,6 +17,9 @@ from track_1_short.compile_watch import graphs_made
 from track_1_short.model.config import ModelConfigError
 
 STAGES = [(1, 3), (3, 7), (5, 11)]
+# Two stages suffice to tell one graph from one per stage, and each int-window graph is a Dynamo trace of the
+# whole model (about 15 s on a 2-core CPU).
+COMPILED_STAGES = STAGES[:2]
 
 
 def _copy(model, impl):
@@ -90,7 +93,7 @@ def test_tensor_windows_not_followed_by_the_rotary_state_are_refused(tiny_fp32):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("as_tensor, graphs", [(True, 1), (False, len(STAGES))])
+@pytest.mark.parametrize("as_tensor, graphs", [(True, 1), (False, len(COMPILED_STAGES))])
 def test_a_compiled_model_makes_one_graph_for_every_stage_when_windows_are_tensors(
     tiny_fp32, device, as_tensor, graphs
 ):
@@ -106,7 +109,7 @@ def test_a_compiled_model_makes_one_graph_for_every_stage_when_windows_are_tenso
     start = graphs_made()
     compiled = torch.compile(m, backend="aot_eager", dynamic=False)
     losses = []
-    for windows in STAGES:
+    for windows in COMPILED_STAGES:
         m.follow_windows(windows)
         w = torch.tensor(windows, device=device) if as_tensor else windows
         # Without gradients the forward scores as a validation does: plain CE, no MTP weights.
@@ -117,4 +120,4 @@ def test_a_compiled_model_makes_one_graph_for_every_stage_when_windows_are_tenso
             loss.backward()
         losses.append(loss.detach())
     assert graphs_made() - start == graphs
-    assert len({float(x) for x in losses}) == len(STAGES)  # the windows did reach the graph
+    assert len({float(x) for x in losses}) == len(COMPILED_STAGES)  # the windows did reach the graph

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from track_1_short import cpu_bf16_matmul
 from track_1_short.optim import polar_express
 from track_1_short.optim.polar_express import ANVIL_MAPS, cascade_flops, orthogonalize, scaled_to_bf16
 
@@ -48,7 +49,10 @@ def test_cascade_maps_random_bank_matrices_to_singular_values_within_one_percent
     rows, cols = BANK_SHAPES[bank]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, rows, cols, generator=gen).bfloat16()
-    y = orthogonalize(x.to(device), gram=gram).cpu()
+    # The matmul route a run on this device takes (cpu_bf16_matmul=auto): on a CPU without native bf16 GEMM,
+    # fp32 GEMMs under the bf16 kernel's contract instead of its scalar fallback, about 20x slower.
+    with cpu_bf16_matmul.route(cpu_bf16_matmul.resolve("auto", device, False)[0]):
+        y = orthogonalize(x.to(device), gram=gram).cpu()
     assert y.dtype == torch.bfloat16 and y.shape == x.shape
     s_in = torch.linalg.svdvals(x.double())
     s_in = s_in / (1.05 * x.double().norm(dim=(-2, -1), keepdim=True).squeeze(-1))
