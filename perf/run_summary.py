@@ -10,7 +10,8 @@ FLOPs per token come from the model's ``flops_per_token`` at the stage's documen
 bound, since shorter documents have less attention to do (attention is 1-3% of the FLOPs at these windows).
 ``optimizer_pct`` is rank 0's optimizer time over the same intervals (``optimizer_ms`` of the train events,
 see track_1_short/optimizer_time.py), as a share of the train time, and ``ngram_pull_pct`` the n-gram table's
-pulls' (``ngram_pull_ms``, track_1_short/ngram_cycle.py); None for a run logged without it.
+pulls' and row updates' (``ngram_pull_ms``, ``ngram_update_ms``, track_1_short/ngram_cycle.py); None for a run
+logged without them.
 The run's phases (data, build, warmup), graph counts, peak memory, the loss curve and the final val loss
 against the corpus floor go into the header and notes.
 """
@@ -34,6 +35,13 @@ from track_1_short.run_log import read_events
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_meta import write_bench_json  # noqa: E402
 
+# A train event's timed part -> its share of the stage's train time in a row.
+TIMED_PARTS = {
+    "optimizer_ms": "optimizer_pct",
+    "ngram_pull_ms": "ngram_pull_pct",
+    "ngram_update_ms": "ngram_update_pct",
+}
+
 
 def stage_rows(events: list[dict], sched, model_cfg, matmul_tflops: float) -> list[dict]:
     starts = schedule.stage_starts(sched) + [schedule.total_steps(sched)]
@@ -42,18 +50,17 @@ def stage_rows(events: list[dict], sched, model_cfg, matmul_tflops: float) -> li
     for i, stage in enumerate(sched.stages):
         lo, hi = starts[i], starts[i + 1]
         prev = None
-        tokens = ms = opt_ms = pull_ms = 0.0
-        timed_opt = True  # every interval of the stage carries the optimizer's time (runs before it did not)
-        timed_pull = True  # and the n-gram table's pulls (runs with the table)
+        tokens = ms = 0.0
+        # Each timed part's ms over the stage's intervals; None where an interval lacks it (a run logged
+        # before the trainer timed it, or without the n-gram table).
+        parts: dict[str, float | None] = dict.fromkeys(TIMED_PARTS, 0.0)
         for e in train:
             if prev is not None and lo <= prev["step"] and e["step"] <= hi:
                 tokens += e["tokens_seen"] - prev["tokens_seen"]
                 ms += e["train_time_ms"] - prev["train_time_ms"]
-                # optimizer_ms covers the steps since the previous train event: the same interval
-                timed_opt = timed_opt and "optimizer_ms" in e
-                opt_ms += e.get("optimizer_ms", 0.0)
-                timed_pull = timed_pull and "ngram_pull_ms" in e
-                pull_ms += e.get("ngram_pull_ms", 0.0)
+                # each part's ms covers the steps since the previous train event: the same interval
+                for field, so_far in parts.items():
+                    parts[field] = None if so_far is None or field not in e else so_far + e[field]
             prev = e
         if ms <= 0:
             continue
@@ -72,8 +79,10 @@ def stage_rows(events: list[dict], sched, model_cfg, matmul_tflops: float) -> li
                 "tokens_per_s": tokens_per_s,
                 "mfu_pct": 100 * fpt * tokens_per_s / (matmul_tflops * 1e12),
                 "flops_per_token": fpt,
-                "optimizer_pct": 100 * opt_ms / ms if timed_opt else None,
-                "ngram_pull_pct": 100 * pull_ms / ms if timed_pull else None,
+                **{
+                    share: None if parts[f] is None else 100 * parts[f] / ms
+                    for f, share in TIMED_PARTS.items()
+                },
             }
         )
     return rows

@@ -21,6 +21,7 @@ from track_1_short.checkpoint import CheckpointError
 from track_1_short.model.config import NgramConfig
 from track_1_short.ngram_cycle import NgramCycle
 from track_1_short.optim.anvil import OptimConfig
+from track_1_short.run_log import read_events
 
 NG = (
     "model.mudd_gate_lanes=10",
@@ -43,7 +44,23 @@ def table_state(t: trainer.Trainer) -> dict:
 def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("ngram_ref")
     r = trainer.run(short_cfg(str(root), *CKPT, *NG, *LONG_CYCLES, "run_name=ref"))
-    return {"ckpts": r.run_dir / "checkpoints", "table": table_state(r.trainer), **final_state(r.trainer)}
+    return {
+        "ckpts": r.run_dir / "checkpoints",
+        "table": table_state(r.trainer),
+        "events": read_events(r.run_dir),
+        **final_state(r.trainer),
+    }
+
+
+def test_train_events_time_the_pulls_and_the_updates_in_the_intervals_that_hold_them(uninterrupted):
+    # Every train event covers one step here (check_every 1 on the CPU). Cycles of 4 steps: pulls at steps 0
+    # and 4 (read ahead at the cycle's first step), the update at step 3 (the next would be at 7: the run's
+    # 6 steps end inside that cycle).
+    train = {e["step"]: e for e in uninterrupted["events"] if e["event"] == "train"}
+    assert sorted(train) == [1, 2, 3, 4, 5, 6]
+    pulled = {s - 1 for s, e in train.items() if e["ngram_pull_ms"] > 0}
+    updated = {s - 1 for s, e in train.items() if e["ngram_update_ms"] > 0}
+    assert pulled == {0, 4} and updated == {3}, (pulled, updated)
 
 
 @pytest.mark.slow

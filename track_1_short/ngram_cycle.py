@@ -22,7 +22,6 @@ checkpoint refuses a non-finite shard or Adam row (checkpoint.assert_finite).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ from track_1_short import checkpoint, distributed, schedule
 from track_1_short.config import accumulation_steps
 from track_1_short.model.ngram import NgramTable
 from track_1_short.optim.ngram_adam import NgramAdam, ngram_cadence, row_mean_sq
+from track_1_short.optimizer_time import OptimizerTime
 
 SHARD_FORMAT = 1
 
@@ -45,7 +45,10 @@ class NgramCycle:
         trainer.model.attach_ngram(self.table)
         self.queue: dict[int, list] = {}  # step -> its micro batches, read ahead for the cycle
         self.loader_after: dict[int, dict] = {}  # step -> the loader's position after its batches
-        self.pull_s = 0.0  # seconds in pulls since the last take_pull_ms()
+        # The pulls' and the table updates' hold on the step, bracketed as the optimizer's is (device time on
+        # CUDA, read at log steps only): the train events' ngram_pull_ms and ngram_update_ms.
+        self.pull_time = OptimizerTime(trainer.device)
+        self.update_time = OptimizerTime(trainer.device)
         self.skipped_updates: list[int] = []
 
     # -- the cycle --
@@ -73,9 +76,9 @@ class NgramCycle:
                 micro = plan.batch_tokens // self.trainer.world // accum
                 self.queue[s] = [loader.next_batch(micro, plan.max_doc_len) for _ in range(accum)]
                 self.loader_after[s] = loader.state_dict()
-            t = time.perf_counter()
+            self.pull_time.start()
             self.table.pull([self._row_ids(b) for s in self.queue for b in self.queue[s]])
-            self.pull_s += time.perf_counter() - t
+            self.pull_time.stop()
         return self.queue.pop(step)
 
     def _row_ids(self, batch):
@@ -98,6 +101,13 @@ class NgramCycle:
             self.table.per_slot.zero_()
         if not self.opt.due(step):
             return
+        self.update_time.start()
+        try:
+            self._update(step, lr_multiplier)
+        finally:
+            self.update_time.stop()
+
+    def _update(self, step: int, lr_multiplier: float) -> None:
         rows, grads = self.table.row_grads()
         # The update's row mean squares are non-finite exactly where a row's gradient holds NaN or inf (or
         # squares past fp32's range, where the update would be lost anyway): checked on those [N] values, not
@@ -118,9 +128,14 @@ class NgramCycle:
         lr = self.cfg.optim.adam_lr * lr_multiplier
         self.opt.update(rows, grads, lr=lr, beta2=beta2, wd_mul=wd_mul, mean_sq=mean_sq)
 
-    def take_pull_ms(self) -> float:
-        out, self.pull_s = 1e3 * self.pull_s, 0.0
-        return out
+    def take_ms(self) -> dict[str, float]:
+        """The pulls' and the updates' time since the last call (ms), for a train event; after a sync."""
+        return {"ngram_pull_ms": self.pull_time.take_ms(), "ngram_update_ms": self.update_time.take_ms()}
+
+    def reset_times(self) -> None:
+        """Forget the warmup's pulls and updates: they are not the timed loop's."""
+        self.pull_time.reset()
+        self.update_time.reset()
 
     # -- validation --
 
@@ -128,10 +143,9 @@ class NgramCycle:
         self.table.begin_eval()
 
     def eval_batch(self, inputs, cu) -> None:
-        """Collective: pull one validation batch's rows (the training cycle's cache stays aside)."""
-        t = time.perf_counter()
+        """Collective: pull one validation batch's rows (the training cycle's cache stays aside; not timed:
+        validation is not the train time)."""
         self.table.pull([self.trainer.model.ngram_indices(inputs, cu)[0]])
-        self.pull_s += time.perf_counter() - t
 
     def end_eval(self) -> None:
         self.table.end_eval()

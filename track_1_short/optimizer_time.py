@@ -8,7 +8,8 @@ where an op has finished when it returns, they are ``time.perf_counter`` reading
 
 What it measures on CUDA is the stream's time from the end of the step's last backward to the end of the
 update, waits for the reduce-scatter and all-gather included: how long the optimizer holds the step, not its
-kernels alone (perf/bench_optimizer.py times those). The figure is this rank's.
+kernels alone (perf/bench_optimizer.py times those). The figure is this rank's. The n-gram table's pulls
+and row updates are bracketed the same way (ngram_cycle.py).
 """
 
 from __future__ import annotations

@@ -558,6 +558,8 @@ class Trainer:
                 gc_state = freeze_gc()
             _sync(self.device)
             self.opt_time.reset()  # the warmup's steps are not the timed loop's
+            if self.ngram is not None:
+                self.ngram.reset_times()
             t0 = time.perf_counter()
             while self.step < n:
                 pending.append((self.step, self.train_step(self.step)))
@@ -588,7 +590,7 @@ class Trainer:
                         step_avg_ms=elapsed / done,
                         progress_line=done % cfg.log_every == 0 or done >= n - 1,
                         optimizer_ms=self.opt_time.take_ms(),  # after the read-back's sync: no wait
-                        **({"ngram_pull_ms": self.ngram.take_pull_ms()} if self.ngram is not None else {}),
+                        **(self.ngram.take_ms() if self.ngram is not None else {}),
                         **self._memory(),
                     )
                     if self.model._fp8 is not None and distributed.is_main():
