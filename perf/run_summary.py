@@ -9,9 +9,9 @@ FLOPs per token x tokens/s / the bf16 matmul rate given by --matmul-tflops (the 
 FLOPs per token come from the model's ``flops_per_token`` at the stage's document cap and windows: an upper
 bound, since shorter documents have less attention to do (attention is 1-3% of the FLOPs at these windows).
 ``optimizer_pct`` is rank 0's optimizer time over the same intervals (``optimizer_ms`` of the train events,
-see track_1_short/optimizer_time.py), as a share of the train time, and ``ngram_pull_pct`` the n-gram table's
-pulls' and row updates' (``ngram_pull_ms``, ``ngram_update_ms``, track_1_short/ngram_cycle.py); None for a run
-logged without them.
+see track_1_short/optimizer_time.py), as a share of the train time; ``ngram_pull_pct`` and
+``ngram_update_pct`` the same for the n-gram table's pulls and row updates (``ngram_pull_ms``,
+``ngram_update_ms``, track_1_short/ngram_cycle.py); None for a run logged without them.
 The run's phases (data, build, warmup), graph counts, peak memory, the loss curve and the final val loss
 against the corpus floor go into the header and notes.
 """
