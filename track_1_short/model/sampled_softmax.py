@@ -77,10 +77,16 @@ def candidate_set(targets: Tensor, vocab: int, p: int, offset: Tensor | int) -> 
     If the targets hold more than p distinct classes the set cannot hold them all: some are left out, and the
     loss (model/layers.py) refuses the micro batch.
     """
+    return _candidate_set(targets, vocab, p, offset)[0]
+
+
+def _candidate_set(targets: Tensor, vocab: int, p: int, offset: Tensor | int) -> tuple[Tensor, Tensor]:
+    """:func:`candidate_set`, and the targets' distinct count (0-D, on the device) that it counts anyway."""
     device = targets.device
     marked = torch.zeros(vocab, dtype=torch.bool, device=device)
     marked[targets] = True
-    wanted = p - marked.sum()
+    distinct = marked.sum()
+    wanted = p - distinct
     j = torch.arange(vocab, dtype=torch.int64, device=device)
     sweep = ((j + offset) * NEGATIVE_STRIDE) % vocab  # the sweep's classes in the order it visits them
     free = ~marked[sweep]
@@ -90,7 +96,7 @@ def candidate_set(targets: Tensor, vocab: int, p: int, offset: Tensor | int) -> 
     # slot once (deterministic on any device) and its first p slots are the set.
     n_chosen = torch.cumsum(chosen, 0)
     place = torch.where(chosen, n_chosen - 1, n_chosen[-1] + j - n_chosen)
-    return torch.empty_like(j).scatter(0, place, j)[:p]
+    return torch.empty_like(j).scatter(0, place, j)[:p], distinct
 
 
 class CandidateSets:
@@ -110,10 +116,9 @@ class CandidateSets:
     def build(self, targets: Tensor, p: int, offset: int | Tensor) -> Tensor:
         """The candidate set (int64 [p]) of a micro batch with these targets, its sweep starting at
         ``offset``: for the forward's ``candidates``."""
-        cand = candidate_set(targets, self.vocab, p, offset)
+        cand, distinct = _candidate_set(targets, self.vocab, p, offset)
         torch._dynamo.mark_dynamic(cand, 0)  # read only by a compiled forward; eager ignores it
-        seen = torch.zeros(self.vocab, dtype=torch.bool, device=targets.device)
-        short = seen.index_fill_(0, targets, True).sum() > p
+        short = distinct > p
         self._short = short if self._short is None else self._short | short
         return cand
 
