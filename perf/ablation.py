@@ -101,12 +101,16 @@ def run_figures(run_dir: Path) -> dict | None:
     final = next((e for e in reversed(events) if e["event"] == "val" and e["step"] == e["total_steps"]), None)
     if end is None or summary is None or final is None or end.get("status") != "finished":
         return None
+    ship = next((e for e in events if e["event"] == "phase" and e["name"] == "tail_ship"), None)
+    ticks_ms = [e["tail_ms"] for e in events if e["event"] == "train" and "tail_ms" in e]
     return {
         "tokens_per_s": summary["tokens_per_s"],
         "val_loss": final["val_loss"],
         "val_loss_last_iterate": final.get("val_loss_last_iterate", final["val_loss"]),
         "train_time_s": end["train_time_ms"] / 1e3,
         "timed_loop_graphs": end.get("timed_loop_graphs"),
+        # tail averaging's own time on the clock (its accumulators' ticks and the ship); None without it
+        "tail_s": None if ship is None else sum(ticks_ms) / 1e3 + ship["seconds"],
     }
 
 
@@ -138,6 +142,8 @@ def rows_of(results: dict[str, dict[int, dict]], overrides: dict[str, list[str]]
         tps, tps_sd = _mean_sd([f["tokens_per_s"] for f in figs])
         val, val_sd = _mean_sd([f["val_loss"] for f in figs])
         last, _ = _mean_sd([f["val_loss_last_iterate"] for f in figs])
+        tail_s, _ = _mean_sd([f["tail_s"] for f in figs if f.get("tail_s") is not None])
+        train_s, _ = _mean_sd([f["train_time_s"] for f in figs])
         row = {
             "arm": arm,
             "overrides": shown(overrides.get(arm, [])),
@@ -147,6 +153,8 @@ def rows_of(results: dict[str, dict[int, dict]], overrides: dict[str, list[str]]
             "val_loss": val,
             "val_loss_sd": val_sd,
             "val_loss_last_iterate": last,
+            "tail_s": tail_s,
+            "tail_pct": None if tail_s is None else 100 * tail_s / train_s,
             "d_tokens_per_s_pct": None if arm == "all" or not base_tps else 100 * (tps / base_tps - 1),
             "d_val_mnats": None if arm == "all" or base_val is None else 1e3 * (val - base_val),
             "upstream": UPSTREAM.get(arm, ""),

@@ -11,7 +11,9 @@ bound, since shorter documents have less attention to do (attention is 1-3% of t
 ``optimizer_pct`` is rank 0's optimizer time over the same intervals (``optimizer_ms`` of the train events,
 see track_1_short/optimizer_time.py), as a share of the train time; ``ngram_pull_pct`` and
 ``ngram_update_pct`` the same for the n-gram table's pulls and row updates (``ngram_pull_ms``,
-``ngram_update_ms``, track_1_short/ngram_cycle.py); None for a run logged without them.
+``ngram_update_ms``, track_1_short/ngram_cycle.py), and ``tail_pct`` for tail averaging's accumulators
+(``tail_ms``); None for a run logged without them. ``tail_ship_s`` is the ship's time (on the clock, after
+the last step).
 The run's phases (data, build, warmup), graph counts, peak memory, the loss curve and the final val loss
 against the corpus floor go into the header and notes.
 """
@@ -40,6 +42,7 @@ TIMED_PARTS = {
     "optimizer_ms": "optimizer_pct",
     "ngram_pull_ms": "ngram_pull_pct",
     "ngram_update_ms": "ngram_update_pct",
+    "tail_ms": "tail_pct",
 }
 
 
@@ -113,6 +116,7 @@ def summarize(run_dir: Path, command: str, date: str, matmul_tflops: float, corp
         "data_s": phases.get("data", {}).get("seconds"),
         "build_s": phases.get("build", {}).get("seconds"),
         "warmup_and_compile_s": phases.get("warmup", {}).get("seconds"),
+        "tail_ship_s": phases.get("tail_ship", {}).get("seconds"),
         "graphs": end.get("graphs"),
         "timed_loop_graphs": end.get("timed_loop_graphs"),
         "peak_memory_mib": end.get("peak_memory_mib"),

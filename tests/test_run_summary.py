@@ -76,6 +76,7 @@ def test_the_runs_own_summary_supplies_the_reference_lines(tmp_path):
         ("optimizer_ms", "optimizer_pct"),
         ("ngram_pull_ms", "ngram_pull_pct"),
         ("ngram_update_ms", "ngram_update_pct"),
+        ("tail_ms", "tail_pct"),
     ],
 )
 def test_a_timed_parts_share_is_its_time_over_the_same_intervals_and_absent_for_runs_without_it(

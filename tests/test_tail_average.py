@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ TAIL = (
 )
 LABELS = ("lm_head", "embed", "value_embeds", "qk_bank", "vo_bank", "mlp_bank")
 EMA_BLEND, AVG_RATE, BANK_BLEND, RICHARDSON = 0.65, 4 / 53, 0.55, 0.2007
+SLOW_TICK, SLOW_S = 4, 0.25  # the fixture's tick after this step sleeps: the tail timer must see it there
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +47,8 @@ def tail_run(tmp_path_factory):
 
     def tick(self, step):
         after_step[step] = {k: self.opt.params[k].detach().double().clone() for k in LABELS}
+        if step == SLOW_TICK:
+            time.sleep(SLOW_S)
         return real_tick(self, step)
 
     def restore_norms(self, before):
@@ -168,6 +172,15 @@ def test_the_run_reports_the_last_iterate_and_the_averaged_loss(tail_run):
     assert math.isfinite(final["val_loss_last_iterate"]) and final["val_loss_last_iterate"] != r.val_loss
     assert f"val_loss_last_iterate:{final['val_loss_last_iterate']:.4f}" in log
     assert "final validation (tail-averaged weights)" in log
+
+
+def test_train_events_time_the_tail_accumulators_in_the_interval_that_holds_them(tail_run):
+    # check_every is 1 on the CPU: each train event covers one step, and the step-4 tick slept SLOW_S.
+    events = (tail_run["result"].run_dir / "events.jsonl").read_text().splitlines()
+    train = {e["step"]: e for e in map(json.loads, events) if e["event"] == "train"}
+    assert sorted(train) == list(range(1, N + 1))
+    slow = {s - 1 for s, e in train.items() if e["tail_ms"] >= 1e3 * SLOW_S}
+    assert slow == {SLOW_TICK}, {s: e["tail_ms"] for s, e in train.items()}
 
 
 @pytest.mark.slow

@@ -232,6 +232,7 @@ class Trainer:
         self.canonical_mask = endgame.load_canonical_mask(self) if cfg.canonical_mask else None
         self.graphs_after_warmup: int | None = None
         self.opt_time = OptimizerTime(device)  # the optimizer's share of the timed loop (train events)
+        self.tail_time = OptimizerTime(device)  # the tail accumulators' share, bracketed the same way
         self.guards = Guards(
             cfg.guards,
             cfg.fault_injection,
@@ -558,13 +559,16 @@ class Trainer:
                 gc_state = freeze_gc()
             _sync(self.device)
             self.opt_time.reset()  # the warmup's steps are not the timed loop's
+            self.tail_time.reset()
             if self.ngram is not None:
                 self.ngram.reset_times()
             t0 = time.perf_counter()
             while self.step < n:
                 pending.append((self.step, self.train_step(self.step)))
                 if self.tail is not None:
+                    self.tail_time.start()
                     self.tail.tick(self.step)
+                    self.tail_time.stop()
                 self.step += 1
                 done, last = self.step, self.step == n
                 want_val = last or (cfg.val_every > 0 and done % cfg.val_every == 0)
@@ -591,6 +595,7 @@ class Trainer:
                         progress_line=done % cfg.log_every == 0 or done >= n - 1,
                         optimizer_ms=self.opt_time.take_ms(),  # after the read-back's sync: no wait
                         **(self.ngram.take_ms() if self.ngram is not None else {}),
+                        **({"tail_ms": self.tail_time.take_ms()} if self.tail is not None else {}),
                         **self._memory(),
                     )
                     if self.model._fp8 is not None and distributed.is_main():

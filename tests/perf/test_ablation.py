@@ -54,10 +54,15 @@ def test_an_arms_overrides_read_as_one_cell(ablation, preset):
     )
 
 
-def _run_dir(tmp_path, name, tps, val, last, status="finished"):
+def _run_dir(tmp_path, name, tps, val, last, status="finished", tail=None):
+    """``tail``: (the train events' tail_ms, the ship's seconds) of a run with tail averaging."""
     d = tmp_path / name
     d.mkdir()
-    events = [
+    events = []
+    if tail is not None:
+        events += [{"event": "train", "step": i + 1, "tail_ms": ms} for i, ms in enumerate(tail[0])]
+        events.append({"event": "phase", "name": "tail_ship", "seconds": tail[1]})
+    events += [
         {"event": "val", "step": 10, "total_steps": 10, "val_loss": val, "val_loss_last_iterate": last},
         {"event": "summary", "tokens_per_s": tps},
         {"event": "end", "status": status, "train_time_ms": 5000.0, "timed_loop_graphs": 0},
@@ -86,6 +91,17 @@ def test_rows_are_means_over_seeds_with_deltas_against_all(ablation, tmp_path):
     assert rows["ngram"]["val_loss_sd"] == pytest.approx(0.0707107, rel=1e-5)  # sample sd of 3.15, 3.25
     assert rows["ngram"]["val_loss_last_iterate"] == pytest.approx(3.22)
     assert rows["ngram"]["upstream"].startswith("n-gram table")
+
+
+def test_the_tails_time_is_its_ticks_and_its_ship_over_the_train_time(ablation, tmp_path):
+    # Train time 5 s a run (_run_dir): 0.25 s of tail is 5%, 0.75 s is 15%; a run without the tail has None.
+    on = {0: ablation.run_figures(_run_dir(tmp_path, "a", 1.0, 3.0, 3.1, tail=([100.0, 50.0], 0.1)))}
+    on[1] = ablation.run_figures(_run_dir(tmp_path, "b", 1.0, 3.0, 3.1, tail=([300.0, 200.0], 0.25)))
+    off = {0: ablation.run_figures(_run_dir(tmp_path, "c", 1.0, 3.0, 3.0))}
+    rows = {r["arm"]: r for r in ablation.rows_of({"all": on, "tail": off}, {"all": [], "tail": []})}
+    assert on[0]["tail_s"] == pytest.approx(0.25) and on[1]["tail_s"] == pytest.approx(0.75)
+    assert rows["all"]["tail_s"] == pytest.approx(0.5) and rows["all"]["tail_pct"] == pytest.approx(10.0)
+    assert rows["tail"]["tail_s"] is None and rows["tail"]["tail_pct"] is None
 
 
 def test_an_unfinished_run_is_not_counted(ablation, tmp_path):
