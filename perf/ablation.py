@@ -23,7 +23,9 @@ and final val loss (the one the record gate reads) as mean and sample standard d
 last iterate's val loss, and the deltas against ``all`` (tokens/s in percent, val loss in millinats).
 ``upstream`` quotes upstream's ablation for the same component (record #92's README, PR #360): its wall and
 val deltas on 8 H100s at the record's 1,194 steps, and the net seconds it cost to recover 3.28. The JSON is
-rewritten after every run, so a call cut short still hands back what finished. ``--from-runs`` reads
+rewritten after every run, so a call cut short still hands back what finished, and a run whose directory
+under ``--runs-root`` already holds a finished run is read, not run again: a later call continues an
+earlier one (arms without ``all`` give rows without deltas). ``--from-runs`` reads
 finished runs ``<arm>_s<seed>`` (made by this script, possibly over several calls) instead of running them;
 the card and versions are then the runs' own (their env.json), and ``--command`` names the command that made
 them.
@@ -178,8 +180,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout-s", type=float, default=900.0, help="stop one run after this many seconds")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    if "all" not in args.arms:
-        p.error("--arms must include all: every delta is against it")
     if (args.from_runs is None) != (args.command is None):
         p.error("--command goes with --from-runs (and only there): the command that made the runs")
     cfg = preset_config(args.overrides)
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     payload = {**bench_metadata(sys.argv if argv is None else [__file__, *argv]), "title": "Record ablation"}
     if args.from_runs is not None:  # the runs' card and versions, not this machine's
-        env = json.loads((args.from_runs / f"all_s{args.seeds[0]}" / "env.json").read_text())
+        env = json.loads((args.from_runs / f"{args.arms[0]}_s{args.seeds[0]}" / "env.json").read_text())
         payload.update(
             command=args.command,
             device=env["devices"][0]["name"],
@@ -199,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         for arm in args.arms:
             name = f"{arm}_s{seed}"
-            if args.from_runs is None:
+            if args.from_runs is None and run_figures(root / name) is not None:
+                print(f"ablation: {name} finished in an earlier call: read, not run again", flush=True)
+            elif args.from_runs is None:
                 if time.monotonic() - t0 > args.deadline_s:
                     print(f"ablation: deadline reached, {name} not started", flush=True)
                     continue

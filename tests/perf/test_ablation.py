@@ -107,3 +107,31 @@ def test_the_tails_time_is_its_ticks_and_its_ship_over_the_train_time(ablation, 
 def test_an_unfinished_run_is_not_counted(ablation, tmp_path):
     assert ablation.run_figures(_run_dir(tmp_path, "all_s0", 1.0, 3.0, 3.0, status="stopped")) is None
     assert ablation.run_figures(tmp_path / "missing") is None
+
+
+def test_a_finished_run_is_read_not_run_again_and_the_rest_are_run(ablation, tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    _run_dir(runs, "all_s0", 1000.0, 3.0, 3.1)  # an earlier call's run on this machine
+    launched = []
+    real_run = ablation.subprocess.run  # the module is shared: others' commands (uname) still run
+
+    def fake_run(cmd, **kwargs):  # the trainer: record the run and leave a finished run directory behind
+        if "track_1_short.train" not in cmd:
+            return real_run(cmd, **kwargs)
+        name = next(a.split("=", 1)[1] for a in cmd if a.startswith("run_name="))
+        launched.append(name)
+        _run_dir(runs, name, 1100.0, 3.2, 3.3)
+
+    monkeypatch.setattr(ablation.subprocess, "run", fake_run)
+    out = tmp_path / "ablation.json"
+    args = ["--arms", "all", "ngram", "--seeds", "0", "--runs-root", str(runs), "--out", str(out)]
+    assert ablation.main(args) == 0
+    assert launched == ["ngram_s0"]
+    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["all"]["tokens_per_s"] == 1000.0
+    assert rows["ngram"]["d_tokens_per_s_pct"] == pytest.approx(10.0)
+    # Without the all arm the rows carry no deltas (the arm's own figures only).
+    assert ablation.main(["--arms", "ngram", *args[3:]]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert launched == ["ngram_s0"] and row["arm"] == "ngram" and row["d_tokens_per_s_pct"] is None
