@@ -18,6 +18,10 @@
 #                         (TRAIN_STEP_ARGS="optim.bank_update=triton" TRAIN_STEP_NAME=train_step_triton_bank:
 #                         Hydra overrides, and the JSON's name, for a before/after pair)
 #         loss            perf/bench_loss.py                -> perf/results/loss.json
+#         final_val       perf/bench_final_val.py (the canonical mask's load and its validation pass)
+#                                                       -> perf/results/final_val.json
+#         attention       perf/bench_attention.py (FlexAttention against flash-attn-4, if installed)
+#                                                       -> perf/results/attention.json
 #         levers          perf/bench_train_step.py --stages 2, the default against each opt-in fast path as an
 #                         --arm (LEVERS: "name=override ..." per line, default below) -> train_step_levers.json
 #         scaling         perf/scaling.py (the preset through torchrun on 1 and all GPUs; skipped on one GPU)
@@ -39,7 +43,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-all_stages=(preset tests replicated_adam optimizer cascade_products train_step loss levers scaling ablation results)
+all_stages=(preset tests replicated_adam optimizer cascade_products train_step loss final_val attention levers
+  scaling ablation results)
 stages=("$@")
 [[ ${#stages[@]} -gt 0 ]] || stages=("${all_stages[@]}")
 for s in "${stages[@]}"; do
