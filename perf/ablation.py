@@ -20,7 +20,9 @@ FlexAttention is the only attention kernel the stack has, so upstream's attentio
 
 Rows, one per arm: the overrides, the seeds that finished, overall tokens/s (the run's own ``summary`` event)
 and final val loss (the one the record gate reads) as mean and sample standard deviation over the seeds, the
-last iterate's val loss, and the deltas against ``all`` (tokens/s in percent, val loss in millinats).
+last iterate's val loss, tail averaging's own time on the clock (``tail_s``: its accumulators' ticks and its
+ship; ``tail_pct`` of the train time), the deltas against ``all`` (tokens/s in percent, val loss in
+millinats) and their two-sided Welch t-test p-values over the seeds (``p_tokens_per_s``, ``p_val``).
 ``upstream`` quotes upstream's ablation for the same component (record #92's README, PR #360): its wall and
 val deltas on 8 H100s at the record's 1,194 steps, and the net seconds it cost to recover 3.28. The JSON is
 rewritten after every run, so a call cut short still hands back what finished, and a run whose directory
@@ -133,9 +135,20 @@ def shown(overrides: list[str]) -> str:
     return " ".join(rest + [f"schedule.stages.*.{f}={v}" for f, v in sorted(values.items())])
 
 
+def welch_p(a: list[float], b: list[float]) -> float | None:
+    """Two-sided p-value of Welch's t-test that ``a`` and ``b`` have the same mean; None under 2 values each
+    (no spread to test against)."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    from scipy import stats
+
+    return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+
+
 def rows_of(results: dict[str, dict[int, dict]], overrides: dict[str, list[str]]) -> list[dict]:
     """One row per arm from {arm: {seed: figures}}, deltas against the ``all`` arm's means."""
     base = results.get("all", {})
+    base_figs = list(base.values())
     base_tps, _ = _mean_sd([f["tokens_per_s"] for f in base.values()])
     base_val, _ = _mean_sd([f["val_loss"] for f in base.values()])
     rows = []
@@ -159,6 +172,12 @@ def rows_of(results: dict[str, dict[int, dict]], overrides: dict[str, list[str]]
             "tail_pct": None if tail_s is None else 100 * tail_s / train_s,
             "d_tokens_per_s_pct": None if arm == "all" or not base_tps else 100 * (tps / base_tps - 1),
             "d_val_mnats": None if arm == "all" or base_val is None else 1e3 * (val - base_val),
+            "p_tokens_per_s": None
+            if arm == "all"
+            else welch_p([f["tokens_per_s"] for f in figs], [f["tokens_per_s"] for f in base_figs]),
+            "p_val": None
+            if arm == "all"
+            else welch_p([f["val_loss"] for f in figs], [f["val_loss"] for f in base_figs]),
             "upstream": UPSTREAM.get(arm, ""),
         }
         rows.append(row)
@@ -193,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         payload.update(
             command=args.command,
             device=env["devices"][0]["name"],
-            **{k: env.get(k) for k in ("torch", "triton", "cuda")},
+            **{k: env.get(k) for k in ("torch", "triton", "cuda", "python")},
         )
     # Seeds outermost: a call cut short still has every arm at the first seeds.
     for seed in args.seeds:

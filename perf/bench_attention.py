@@ -197,7 +197,10 @@ def run(args) -> dict:
     notes = [f"documents: {len(lengths)} (mean {mean:.0f} tokens, cut at {args.max_doc_len})"]
     if fa4_error:
         notes.append(f"flash_attn_4 unavailable: {fa4_error}")
-    return {**bench_metadata(sys.argv, device), "rows": rows, "notes": notes,
+    title = (
+        f"FlexAttention against flash-attn-4 at the record's attention shapes, windows {args.windows} blocks"
+    )
+    return {**bench_metadata(sys.argv, device), "title": title, "rows": rows, "notes": notes,
             "tokens": args.tokens, "windows_blocks": list(args.windows)}  # fmt: skip
 
 

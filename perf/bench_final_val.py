@@ -126,9 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     path = write_bench_json(args.out, payload)
     for r in payload["rows"]:
         print(f"{r['pass']:>9}: {r['s']:.3f} s ({r['tokens_per_s']:,.0f} tokens/s)")
-    print(
-        f"mask: {payload['mask_load_s']:.2f} s ({'built' if payload['mask_built'] else 'loaded'}); wrote {path}"
-    )
+    how = "built" if payload["mask_built"] else "loaded"
+    print(f"mask: {payload['mask_load_s']:.2f} s ({how}); wrote {path}")
     return 0
 
 

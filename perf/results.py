@@ -9,7 +9,8 @@ says what each measured and why it was superseded) and are rendered only with ``
 benchmark (the script in the file's command, in SECTIONS' order), one subsection per file (sorted by name),
 each with the date, device, torch and triton versions and the exact command that produced it (run from the
 repository root), then one table of the file's rows and one more under its title for each entry of an
-optional ``tables`` (perf/scaling.py: its runs, peak memory per rank). A row key ``<name>_floor`` is the
+optional ``tables`` (perf/scaling.py: its runs, peak memory per rank; a kernel profile's top kernels), each
+cut at TABLE_ROWS rows with a line that says how many more the JSON holds. A row key ``<name>_floor`` is the
 floor of ``<name>`` (what the hardware allows) and is printed in the column beside it. The lines of
 perf/results/superseded.md (one per deleted fast path, with its last figure) close the page.
 The file format is defined by perf/bench_meta.py; a file without its keys is refused, naming the
@@ -47,6 +48,7 @@ SECTIONS = {
     "ablation": "Record ablation",
 }
 SUPERSEDED = "superseded.md"
+TABLE_ROWS = 12  # rows of an extra table shown on the page; the JSON keeps them all
 
 
 def benchmark(payload: dict) -> str:
@@ -160,7 +162,9 @@ def render_section(file: str, payload: dict) -> list[str]:
     lines.extend(render_table(payload["rows"]))
     for title, rows in payload.get("tables", {}).items():
         lines += ["", f"{title}:", ""]
-        lines.extend(render_table(rows))
+        lines.extend(render_table(rows[:TABLE_ROWS]))
+        if len(rows) > TABLE_ROWS:  # kernel profiles: the head is the figure, the tail stays in the JSON
+            lines += ["", f"({len(rows) - TABLE_ROWS} more rows in `{file}`)"]
     notes = payload.get("notes", [])
     if notes:
         lines.append("")

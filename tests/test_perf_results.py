@@ -129,6 +129,16 @@ def test_extra_tables_follow_the_rows_under_their_titles_and_are_not_facts(tmp_p
     assert "| 1 | 7 |" in body and "- tables:" not in text
 
 
+def test_an_extra_table_is_cut_at_table_rows_saying_how_many_more_the_json_holds(tmp_path):
+    n = results.TABLE_ROWS + 3
+    tables = {"kernels": [{"kernel": f"k{i}", "ms": float(i)} for i in range(n)]}
+    write(tmp_path / "results", "fake", bench_payload(rows=[{"a": 1}], tables=tables))
+    text = render_dir(tmp_path)
+    shown = [f"| k{i} |" in text for i in range(n)]
+    assert shown == [True] * results.TABLE_ROWS + [False] * 3
+    assert "\n\n(3 more rows in `fake.json`)\n" in text  # a paragraph: a line right under a table is a row
+
+
 def test_tables_that_are_not_lists_of_rows_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="fake.json: 'tables' must map a title to a list of objects"):
         write(tmp_path, "fake", bench_payload(rows=[], tables={"runs": {"nproc": 1}}))

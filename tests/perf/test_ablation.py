@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,6 +92,12 @@ def test_rows_are_means_over_seeds_with_deltas_against_all(ablation, tmp_path):
     assert rows["ngram"]["val_loss_sd"] == pytest.approx(0.0707107, rel=1e-5)  # sample sd of 3.15, 3.25
     assert rows["ngram"]["val_loss_last_iterate"] == pytest.approx(3.22)
     assert rows["ngram"]["upstream"].startswith("n-gram table")
+    # Welch's t on (3.15, 3.25) against (3.0, 3.2): means 3.2 and 3.1, sample variances 0.005 and 0.02, so
+    # squared standard errors 0.0025 and 0.01; Welch-Satterthwaite degrees of freedom 0.0125^2 / (0.0025^2 +
+    # 0.01^2) (n - 1 = 1 each).
+    t, dof = 0.1 / 0.0125**0.5, 0.0125**2 / (0.0025**2 + 0.01**2)
+    assert rows["ngram"]["p_val"] == pytest.approx(2 * stats.t.sf(t, dof), rel=1e-9)
+    assert rows["all"]["p_val"] is None
 
 
 def test_the_tails_time_is_its_ticks_and_its_ship_over_the_train_time(ablation, tmp_path):
