@@ -11,9 +11,11 @@ bound, since shorter documents have less attention to do (attention is 1-3% of t
 ``optimizer_pct`` is rank 0's optimizer time over the same intervals (``optimizer_ms`` of the train events,
 see track_1_short/optimizer_time.py), as a share of the train time; ``ngram_pull_pct`` and
 ``ngram_update_pct`` the same for the n-gram table's pulls and row updates (``ngram_pull_ms``,
-``ngram_update_ms``, track_1_short/ngram_cycle.py), and ``tail_pct`` for tail averaging's accumulators
-(``tail_ms``); None for a run logged without them. ``tail_ship_s`` is the ship's time (on the clock, after
-the last step).
+``ngram_update_ms``, track_1_short/ngram_cycle.py; ``ngram_pull_ms_per_step`` and
+``ngram_update_ms_per_step`` beside their floors: the rows they moved, ``ngram_pull_rows`` and
+``ngram_update_rows``, at NGRAM_BYTES_PER_ROW_DIM bytes per row and table channel over --hbm-gbps), and
+``tail_pct`` for tail averaging's accumulators (``tail_ms``); None for a run logged without them.
+``tail_ship_s`` is the ship's time (on the clock, after the last step).
 The run's phases (data, build, warmup), graph counts, peak memory, the loss curve and the final val loss
 against the corpus floor go into the header and notes.
 """
@@ -46,7 +48,15 @@ TIMED_PARTS = {
 }
 
 
-def stage_rows(events: list[dict], sched, model_cfg, matmul_tflops: float) -> list[dict]:
+# Bytes an n-gram row costs in device memory traffic, per table width: a pull reads the bf16 row, writes it to
+# the cycle's cache and zeroes its fp32 gradient slot (2 + 2 + 4); an update reads the bf16 row and its fp32
+# gradient and writes the row back (2 + 4 + 2). The ids' sort and the exchange between ranks come on top.
+NGRAM_BYTES_PER_ROW_DIM = {"ngram_pull": 8, "ngram_update": 8}
+
+
+def stage_rows(
+    events: list[dict], sched, model_cfg, matmul_tflops: float, hbm_gbps: float = 3350.0
+) -> list[dict]:
     starts = schedule.stage_starts(sched) + [schedule.total_steps(sched)]
     train = [e for e in events if e["event"] == "train"]
     rows = []
@@ -56,18 +66,25 @@ def stage_rows(events: list[dict], sched, model_cfg, matmul_tflops: float) -> li
         tokens = ms = 0.0
         # Each timed part's ms over the stage's intervals; None where an interval lacks it (a run logged
         # before the trainer timed it, or without the n-gram table).
-        parts: dict[str, float | None] = dict.fromkeys(TIMED_PARTS, 0.0)
+        counted = {**TIMED_PARTS, "ngram_pull_rows": None, "ngram_update_rows": None}
+        parts: dict[str, float | None] = dict.fromkeys(counted, 0.0)
         for e in train:
             if prev is not None and lo <= prev["step"] and e["step"] <= hi:
                 tokens += e["tokens_seen"] - prev["tokens_seen"]
                 ms += e["train_time_ms"] - prev["train_time_ms"]
-                # each part's ms covers the steps since the previous train event: the same interval
+                # each part's ms (and rows) cover the steps since the previous train event: the same interval
                 for field, so_far in parts.items():
                     parts[field] = None if so_far is None or field not in e else so_far + e[field]
             prev = e
         if ms <= 0:
             continue
         steps = tokens / stage.batch_tokens
+        ngram = {}
+        for kind, per_dim in NGRAM_BYTES_PER_ROW_DIM.items():
+            if parts[f"{kind}_ms"] is not None and parts[f"{kind}_rows"] is not None:
+                ngram[f"{kind}_ms_per_step"] = parts[f"{kind}_ms"] / steps
+                nbytes = parts[f"{kind}_rows"] * per_dim * model_cfg.ngram.dim
+                ngram[f"{kind}_ms_per_step_floor"] = nbytes / (hbm_gbps * 1e9) * 1e3 / steps
         windows = [stage.window_short, stage.window_long]
         fpt = float(flops_per_token(model_cfg, stage.max_doc_len, windows))
         tokens_per_s = tokens / (ms * 1e-3)
@@ -86,12 +103,20 @@ def stage_rows(events: list[dict], sched, model_cfg, matmul_tflops: float) -> li
                     share: None if parts[f] is None else 100 * parts[f] / ms
                     for f, share in TIMED_PARTS.items()
                 },
+                **ngram,
             }
         )
     return rows
 
 
-def summarize(run_dir: Path, command: str, date: str, matmul_tflops: float, corpus: dict | None) -> dict:
+def summarize(
+    run_dir: Path,
+    command: str,
+    date: str,
+    matmul_tflops: float,
+    corpus: dict | None,
+    hbm_gbps: float = 3350.0,
+) -> dict:
     events = read_events(run_dir)
     cfg = OmegaConf.load(run_dir / "config.yaml")
     env = json.loads((run_dir / "env.json").read_text())
@@ -121,7 +146,8 @@ def summarize(run_dir: Path, command: str, date: str, matmul_tflops: float, corp
         "timed_loop_graphs": end.get("timed_loop_graphs"),
         "peak_memory_mib": end.get("peak_memory_mib"),
         "matmul_tflops_assumed": matmul_tflops,
-        "rows": stage_rows(events, sched, model_cfg, matmul_tflops),
+        "hbm_gbps_assumed": hbm_gbps,
+        "rows": stage_rows(events, sched, model_cfg, matmul_tflops, hbm_gbps),
         "notes": [
             "train loss (per token, MTP-weighted) at logged steps: "
             + ", ".join(f"{e['step']}: {e['loss']:.3f}" for e in train),
@@ -150,6 +176,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--command", required=True, help="the exact command that made the run")
     p.add_argument("--matmul-tflops", type=float, default=790.0, help="bf16 matmul rate for MFU (H200: 790)")
+    p.add_argument(
+        "--hbm-gbps",
+        type=float,
+        default=3350.0,
+        help="memory bandwidth for the n-gram floors (H100 SXM: 3350)",
+    )
     p.add_argument("--date", required=True, help="when the run was made (ISO 8601)")
     p.add_argument("--commit", default=None, help="the commit the run was made at")
     p.add_argument("--entropy-floor", type=float, default=None, help="the synthetic corpus's floor (nats)")
@@ -160,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     corpus = None
     if args.entropy_floor is not None and args.unigram_entropy is not None:
         corpus = {"entropy_floor": args.entropy_floor, "unigram_entropy": args.unigram_entropy}
-    payload = summarize(args.run_dir, args.command, args.date, args.matmul_tflops, corpus)
+    payload = summarize(args.run_dir, args.command, args.date, args.matmul_tflops, corpus, args.hbm_gbps)
     if args.commit:
         payload["git_commit"] = args.commit
     write_bench_json(args.out, payload)

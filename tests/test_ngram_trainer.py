@@ -48,6 +48,7 @@ def uninterrupted(tmp_path_factory):
         "ckpts": r.run_dir / "checkpoints",
         "table": table_state(r.trainer),
         "events": read_events(r.run_dir),
+        "last_pull_rows": r.trainer.ngram.table.want.numel(),  # the run ends inside the cycle of step 4
         **final_state(r.trainer),
     }
 
@@ -61,6 +62,12 @@ def test_train_events_time_the_pulls_and_the_updates_in_the_intervals_that_hold_
     pulled = {s - 1 for s, e in train.items() if e["ngram_pull_ms"] > 0}
     updated = {s - 1 for s, e in train.items() if e["ngram_update_ms"] > 0}
     assert pulled == {0, 4} and updated == {3}, (pulled, updated)
+    # The rows they moved: the update at step 3 moves exactly the rows the cycle's pull at step 0 fetched
+    # (world size 1), the pull at step 4 the rows its cycle's cache still holds; other intervals none.
+    pull_rows = {s - 1: e["ngram_pull_rows"] for s, e in train.items() if e["ngram_pull_rows"]}
+    update_rows = {s - 1: e["ngram_update_rows"] for s, e in train.items() if e["ngram_update_rows"]}
+    assert pull_rows == {0: pull_rows[0], 4: uninterrupted["last_pull_rows"]} and pull_rows[0] > 0
+    assert update_rows == {3: pull_rows[0]}, (pull_rows, update_rows)
 
 
 @pytest.mark.slow

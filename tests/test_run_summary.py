@@ -6,6 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.perf_scripts import load_perf_script
+from track_1_short.model.config import ModelConfig
 from track_1_short.schedule import ScheduleConfig, StageConfig
 
 summary = load_perf_script("run_summary")
@@ -96,3 +97,33 @@ def test_a_timed_parts_share_is_its_time_over_the_same_intervals_and_absent_for_
     write_run(tmp_path, events)
     rows = {r["stage"]: r for r in summary.summarize(tmp_path, "cmd", "d", 100.0, None)["rows"]}
     assert rows[0][share] == pytest.approx(25.0) and rows[1][share] is None
+
+
+def test_the_ngram_pull_and_update_per_step_stand_beside_the_floor_of_the_rows_they_moved(tmp_path):
+    # Stage 1 (300 tokens a step): intervals 4-6 and 6-8, four steps. Pulls of 1,000 and 3,000 rows in 6 and
+    # 14 ms, one update of 2,000 rows in 8 ms. At 1,000 GB/s a row costs 8 bytes a table channel either way.
+    steps = [
+        (2, 200, 20.0, 0, 0.0),
+        (4, 400, 60.0, 0, 0.0),
+        (6, 1000, 100.0, 1000, 6.0),
+        (8, 1600, 140.0, 3000, 14.0),
+    ]
+    events = [
+        {"step": s, "tokens_seen": t, "train_time_ms": ms, "loss": 1.0, "ngram_pull_rows": rows,
+         "ngram_pull_ms": pull, "ngram_update_rows": 2000 if s == 8 else 0,
+         "ngram_update_ms": 8.0 if s == 8 else 0.0}
+        for s, t, ms, rows, pull in steps
+    ]  # fmt: skip
+    write_run(tmp_path, events)
+    rows = {
+        r["stage"]: r for r in summary.summarize(tmp_path, "cmd", "d", 100.0, None, hbm_gbps=1000.0)["rows"]
+    }
+    dim = ModelConfig().ngram.dim
+    assert rows[1]["ngram_pull_ms_per_step"] == pytest.approx(20.0 / 4)
+    assert rows[1]["ngram_pull_ms_per_step_floor"] == pytest.approx(4000 * 8 * dim / 1e12 * 1e3 / 4)
+    assert rows[1]["ngram_update_ms_per_step"] == pytest.approx(8.0 / 4)
+    assert rows[1]["ngram_update_ms_per_step_floor"] == pytest.approx(2000 * 8 * dim / 1e12 * 1e3 / 4)
+    del events[3]["ngram_pull_rows"]  # a run logged before the rows were counted: no floor, no figure
+    write_run(tmp_path, events)
+    rows = {r["stage"]: r for r in summary.summarize(tmp_path, "cmd", "d", 100.0, None)["rows"]}
+    assert "ngram_pull_ms_per_step" not in rows[1] and "ngram_update_ms_per_step" in rows[1]

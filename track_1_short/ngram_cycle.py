@@ -49,6 +49,9 @@ class NgramCycle:
         # CUDA, read at log steps only): the train events' ngram_pull_ms and ngram_update_ms.
         self.pull_time = OptimizerTime(trainer.device)
         self.update_time = OptimizerTime(trainer.device)
+        # The rows they moved (host counts: a pull's size is known on the host once its ids are unique), so
+        # that a report can set each against the bytes it had to move (perf/run_summary.py).
+        self.pull_rows = self.update_rows = 0
         self.skipped_updates: list[int] = []
 
     # -- the cycle --
@@ -79,6 +82,7 @@ class NgramCycle:
             self.pull_time.start()
             self.table.pull([self._row_ids(b) for s in self.queue for b in self.queue[s]])
             self.pull_time.stop()
+            self.pull_rows += self.table.want.numel()
         return self.queue.pop(step)
 
     def _row_ids(self, batch):
@@ -127,15 +131,25 @@ class NgramCycle:
         _, beta2, wd_mul = ngram_cadence(self.cfg.optim, step, self.ncfg)
         lr = self.cfg.optim.adam_lr * lr_multiplier
         self.opt.update(rows, grads, lr=lr, beta2=beta2, wd_mul=wd_mul, mean_sq=mean_sq)
+        self.update_rows += rows.numel()
 
     def take_ms(self) -> dict[str, float]:
-        """The pulls' and the updates' time since the last call (ms), for a train event; after a sync."""
-        return {"ngram_pull_ms": self.pull_time.take_ms(), "ngram_update_ms": self.update_time.take_ms()}
+        """The pulls' and the updates' time (ms) and rows since the last call, for a train event; after a
+        sync."""
+        out = {
+            "ngram_pull_ms": self.pull_time.take_ms(),
+            "ngram_update_ms": self.update_time.take_ms(),
+            "ngram_pull_rows": self.pull_rows,
+            "ngram_update_rows": self.update_rows,
+        }
+        self.pull_rows = self.update_rows = 0
+        return out
 
     def reset_times(self) -> None:
         """Forget the warmup's pulls and updates: they are not the timed loop's."""
         self.pull_time.reset()
         self.update_time.reset()
+        self.pull_rows = self.update_rows = 0
 
     # -- validation --
 
