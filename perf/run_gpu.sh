@@ -20,7 +20,9 @@
 #         loss            perf/bench_loss.py                -> perf/results/loss.json
 #         final_val       perf/bench_final_val.py (the canonical mask's load and its validation pass)
 #                                                       -> perf/results/final_val.json
-#         attention       perf/bench_attention.py (FlexAttention against flash-attn-4, if installed)
+#         attention       perf/bench_attention.py (FlexAttention against flash-attn-4 where its wheels are in
+#                         .whl/: flash-attn-4, nvidia-cutlass-dsl with its libs-core, libs-base and libs-cu13,
+#                         quack-kernels, apache-tvm-ffi, torch-c-dlpack-ext, einops; libs-cu13 alone is 92 MB)
 #                                                       -> perf/results/attention.json
 #         levers          perf/bench_train_step.py --stages 2, the default against each opt-in fast path as an
 #                         --arm (LEVERS: "name=override ..." per line, default below) -> train_step_levers.json
@@ -102,6 +104,11 @@ if ! python3 -c "import hydra, omegaconf" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --upgrade --target .site .whl/*.whl 2>&1 | tee -a "$log"
 fi
 export PYTHONPATH="$root/.site:$root:${PYTHONPATH:-}"
+# pip --target runs no .pth start-up hook, and nvidia-cutlass-dsl (flash-attn-4's CuTeDSL, for the attention
+# stage) puts its packages on sys.path through one.
+if [[ -d .site/nvidia_cutlass_dsl/dsl_packages ]]; then
+  PYTHONPATH="$PYTHONPATH:$root/.site/nvidia_cutlass_dsl/dsl_packages"
+fi
 export PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1
 
 {
