@@ -6,6 +6,14 @@ Workers must be importable module-level functions (spawned children unpickle the
 ``track_1_short.distributed.init`` and return picklable values (tensors are moved to the CPU by the caller).
 A CUDA rank computes on GPU ``rank`` (LOCAL_RANK, as torchrun sets it) and runs Triton kernels compiled, not
 interpreted.
+
+CPU ranks are forked from a fork server (one per test process, started at its first call) that has imported
+torch and the trainer once: a spawned rank spends about 2 s of CPU importing them before it does anything,
+and the suite starts some thirty ranks. Each rank is still a new process that has run nothing before its
+worker. The server's environment is the test process's when the server starts (TRITON_INTERPRET and one
+thread a process, from tests/conftest.py). CUDA ranks are spawned, as a process that may hold a CUDA context
+must not fork, and so are CPU ranks on a CUDA machine, which set TRITON_INTERPRET themselves before their
+kernels are decorated.
 """
 
 from __future__ import annotations
@@ -46,6 +54,23 @@ def _child(fn, rank, world_size, init_file, args, queue, device):
         distributed.destroy()
 
 
+# What the fork server imports once for every CPU rank it forks: the trainer pulls in torch, Dynamo, Triton
+# (its kernels decorated under TRITON_INTERPRET), Hydra and the project.
+_PRELOAD = [
+    "tests.distributed_harness",
+    "track_1_short.distributed",
+    "track_1_short.trainer",
+    "tests.faults_runs",
+]
+
+
+def cpu_context():
+    """The fork server's multiprocessing context, for CPU ranks and other processes of the trainer."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts; later calls change nothing
+    return ctx
+
+
 def run_ranks(fn, world_size: int, *args, device: str = "cpu", timeout_s: float = 300.0) -> list:
     """Return ``[fn(0, W, *args), ..., fn(W-1, W, *args)]``, each computed in its own process."""
     if device not in ("cpu", "cuda"):
@@ -54,7 +79,9 @@ def run_ranks(fn, world_size: int, *args, device: str = "cpu", timeout_s: float 
         raise RuntimeError(
             f"run_ranks: {world_size} NCCL ranks need {world_size} GPUs, {torch.cuda.device_count()} visible."
         )
-    ctx = mp.get_context("spawn")
+    # A forked rank keeps the server's kernels: interpreted only if the server ran with TRITON_INTERPRET.
+    forked = device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    ctx = cpu_context() if forked else mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")

@@ -136,6 +136,16 @@ def _die_on_cue(mode: str, step: int) -> None:
         raise SystemExit(f"unknown mode {mode!r}; one of step, bytes, latest")
 
 
+def main_logged(log: str, argv: list[str]) -> None:
+    """main in a process forked for it (tests/test_faults.py's die): its output goes to the file ``log``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    main(argv)
+
+
 def main(argv: list[str]) -> None:
     runs_root, run_name, threads, mode, step, *overrides = argv
     torch.set_num_threads(int(threads))  # the parent's count: the same kernels, the same bits

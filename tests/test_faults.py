@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed_harness import run_ranks
-from tests.faults_runs import build, final_state, run_route, scenarios_worker, short_cfg
+from tests.distributed_harness import cpu_context, run_ranks
+from tests.faults_runs import build, final_state, main_logged, run_route, scenarios_worker, short_cfg
 from track_1_short import checkpoint, run_log, trainer
 from track_1_short.checkpoint import CheckpointError
 from track_1_short.guards import GuardConfig, GuardConfigError, NonFiniteGradError, checksums, nonfinite_flags
@@ -85,25 +85,33 @@ def assert_params_within_reduction_order(
         )
 
 
-def die(tmp_path: Path, mode: str, step: int, *overrides: str, ranks: int = 1) -> subprocess.CompletedProcess:
-    """Run the short config in child processes that SIGKILL themselves on cue (see tests/faults_runs.py);
-    two ranks run under torchrun on gloo, one thread each like the harness's ranks."""
+def die(tmp_path: Path, mode: str, step: int, *overrides: str, ranks: int = 1) -> None:
+    """Run the short config in child processes that SIGKILL themselves on cue (see tests/faults_runs.py).
+    One rank is forked from the fork server of tests/distributed_harness.py (torch and the trainer already
+    imported there); two ranks run under torchrun on gloo, one thread each like the harness's ranks."""
     threads = torch.get_num_threads() if ranks == 1 else 1
     args = [str(tmp_path), "killed", str(threads), mode, str(step), *CKPT, *overrides]
-    launcher = (
-        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else []
-    )
+    if ranks == 1:
+        log = tmp_path / "killed.log"
+        proc = cpu_context().Process(target=main_logged, args=(str(log), args))
+        proc.start()
+        proc.join(timeout=120)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        # Killed by SIGKILL, not finished or failed.
+        assert proc.exitcode == -9, (proc.exitcode, log.read_text()[-3000:] if log.is_file() else "")
+        return
     out = subprocess.run(
-        [sys.executable, *launcher, "-m", "tests.faults_runs", *args],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+        + ["-m", "tests.faults_runs", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    # Killed by SIGKILL, not finished or failed (torchrun reports its ranks' signal and exits 1).
-    assert out.returncode == (-9 if ranks == 1 else 1), out.stderr[-3000:]
-    assert ranks == 1 or "SIGKILL" in out.stderr, out.stderr[-3000:]
-    return out
+    # torchrun reports its ranks' signal and exits 1.
+    assert out.returncode == 1 and "SIGKILL" in out.stderr, out.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
