@@ -47,6 +47,7 @@ from pathlib import Path
 from track_1_short.run_log import read_events
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_config import compose_train  # noqa: E402
 from bench_meta import REPO_ROOT, bench_metadata, write_bench_json  # noqa: E402
 
 PRESET = "record_1gpu"
@@ -63,12 +64,9 @@ ARMS = ("all", "ngram", "ce_stack", "fp8", "tail")
 def preset_config(overrides: list[str]):
     """The composed, typed config of the preset with ``overrides`` (what a run of it would use), refused
     as a one-GPU run would refuse it (config.check_run)."""
-    from hydra import compose, initialize_config_dir
-
     from track_1_short.config import check_run, to_object
 
-    with initialize_config_dir(str(REPO_ROOT / "configs"), version_base=None):
-        cfg = to_object(compose("train", overrides=[f"experiment={PRESET}", *overrides]))
+    cfg = to_object(compose_train([f"experiment={PRESET}", *overrides]))
     check_run(cfg, world_size=1)
     return cfg
 
@@ -218,9 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         for arm in args.arms:
             name = f"{arm}_s{seed}"
-            if args.from_runs is None and run_figures(root / name) is not None:
+            figs = run_figures(root / name)  # --from-runs, or a run an earlier call finished
+            if figs is not None and args.from_runs is None:
                 print(f"ablation: {name} finished in an earlier call: read, not run again", flush=True)
-            elif args.from_runs is None:
+            elif figs is None and args.from_runs is None:
                 if time.monotonic() - t0 > args.deadline_s:
                     print(f"ablation: deadline reached, {name} not started", flush=True)
                     continue
@@ -234,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                     subprocess.run(cmd, cwd=REPO_ROOT, timeout=args.run_timeout_s, check=False)
                 except subprocess.TimeoutExpired:
                     print(f"ablation: {name} ran past {args.run_timeout_s:.0f} s and was stopped", flush=True)
-            figs = run_figures(root / name)
+                figs = run_figures(root / name)
             if figs is not None:
                 results[arm][seed] = figs
                 print(f"ablation: {name}: {figs}", flush=True)

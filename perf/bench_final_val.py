@@ -37,18 +37,14 @@ from track_1_short.trainer import Trainer, select_device
 # perf/ is not a package: its helpers are imported from its directory (also when a test loads this
 # file by path).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_meta import REPO_ROOT, bench_metadata, write_bench_json  # noqa: E402
+from bench_config import compose_train  # noqa: E402
+from bench_meta import bench_metadata, write_bench_json  # noqa: E402
 
 
 def build_trainer(preset: str, runs_root: str, overrides: list[str]) -> Trainer:
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    with initialize_config_dir(str(REPO_ROOT / "configs"), version_base=None):
-        cfg = compose(
-            "train",
-            overrides=[f"experiment={preset}", f"runs_root={runs_root}", "run_name=final_val", *overrides],
-        )
+    cfg = compose_train([f"experiment={preset}", f"runs_root={runs_root}", "run_name=final_val", *overrides])
     tcfg = to_object(cfg)
     device = distributed.init(select_device(tcfg))
     return Trainer(tcfg, OmegaConf.to_container(cfg, resolve=True), device)

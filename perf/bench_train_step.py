@@ -54,7 +54,8 @@ from track_1_short.frozen_gc import freeze_gc, restore_gc
 # perf/ is not a package: its helpers are imported from its directory (also when a test loads this
 # file by path).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_meta import REPO_ROOT, bench_metadata, write_bench_json  # noqa: E402
+from bench_config import compose_train  # noqa: E402
+from bench_meta import bench_metadata, write_bench_json  # noqa: E402
 from kernel_profile import kernel_table_line, profile_device  # noqa: E402
 
 DEFAULT_EXPERIMENT = "record_1gpu"  # the one-GPU record preset (CUDA)
@@ -413,17 +414,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def compose(overrides: list[str], device: str, runs_root: str):
     """The training config exactly as ``python -m track_1_short.train OVERRIDES`` composes it."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from track_1_short.config import register
-
-    register()
-    with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base=None):
-        return hydra_compose(
-            "train",
-            overrides=[*overrides, f"device={device}", f"runs_root={runs_root}", "progress_bar=false"],
-        )
+    return compose_train([*overrides, f"device={device}", f"runs_root={runs_root}", "progress_bar=false"])
 
 
 def check_stages(args: argparse.Namespace, tcfg, arm: str) -> None:

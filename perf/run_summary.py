@@ -66,7 +66,7 @@ def stage_rows(
         tokens = ms = 0.0
         # Each timed part's ms over the stage's intervals; None where an interval lacks it (a run logged
         # before the trainer timed it, or without the n-gram table).
-        counted = {**TIMED_PARTS, "ngram_pull_rows": None, "ngram_update_rows": None}
+        counted = (*TIMED_PARTS, "ngram_pull_rows", "ngram_update_rows")
         parts: dict[str, float | None] = dict.fromkeys(counted, 0.0)
         for e in train:
             if prev is not None and lo <= prev["step"] and e["step"] <= hi:
