@@ -8,6 +8,9 @@ the fp32 mode: it sees the ops the fp32 mode dispatches, not the ones the progra
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -299,6 +302,23 @@ def test_the_probe_asks_onednn_and_a_build_without_it_or_its_probe_counts_as_lac
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", missing)  # a build without the probe
     assert cpu_bf16_matmul.native_bf16_gemm() is False
+
+
+# docs/development.md measures the AVX2-only kind on an AVX512-BF16 CPU by capping oneDNN at AVX2; a run's
+# route there must be the one an AVX2-only CPU takes. oneDNN reads the cap once, so a fresh process reads it.
+ONEDNN_AVX2_PROBE = (
+    "import torch; from track_1_short.cpu_bf16_matmul import native_bf16_gemm, resolve; "
+    "print(native_bf16_gemm(), resolve('auto', 'cpu', False)[0])"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="the cap is oneDNN's; no oneDNN here")
+def test_a_cpu_with_onednn_capped_at_avx2_lacks_native_bf16_gemm_and_takes_the_fp32_route():
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", ONEDNN_AVX2_PROBE], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "fp32"], out.stdout
 
 
 ONE_OF = r"cpu_bf16_matmul='bf16' must be one of \['auto', 'native', 'fp32'\]"
