@@ -16,6 +16,9 @@ import torch
 
 # Kernel classes by lower-cased name, attention first (a fused attention template may also contain "mm").
 # cuBLAS/cuBLASLt kernels are named gemm/xmma/nvjet/cutlass; Inductor's matmul templates "triton_tem_..._mm_".
+# Inductor's pointwise and reduction kernels are never GEMMs, though their names list every op fused into them
+# (an FP8 quantise feeding _scaled_mm is "triton_poi_fused__scaled_mm_..."; a tiny bmm becomes a reduction).
+INDUCTOR_ELEMENTWISE = ("triton_poi_", "triton_red_", "triton_per_")
 ATTENTION_MARKERS = ("flash", "fmha", "attention", "attn", "flex")
 GEMM_MARKERS = ("gemm", "xmma", "nvjet", "cutlass", "cublas", "wgmma", "_mm_", "_bmm_", "addmm", "matmul")
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # chrome-trace categories of device work
@@ -25,7 +28,7 @@ def kernel_class(name: str) -> str:
     low = name.lower()
     if any(m in low for m in ATTENTION_MARKERS):
         return "attention"
-    if any(m in low for m in GEMM_MARKERS):
+    if any(m in low for m in GEMM_MARKERS) and not low.startswith(INDUCTOR_ELEMENTWISE):
         return "gemm"
     return "other"
 

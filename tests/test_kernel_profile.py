@@ -15,6 +15,8 @@ from perf import kernel_profile
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "gemm"),
         ("triton_tem_fused_mm_3", "gemm"),
         ("triton_poi_fused_add_mul_7", "other"),
+        ("triton_poi_fused__scaled_mm__to_copy_clamp_clone_div_pow_relu_select_t_34", "other"),
+        ("triton_red_fused__to_copy_add_bmm_index_mul_sum_3", "other"),
         ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "other"),
     ],
 )
