@@ -200,6 +200,11 @@ class FP8Config:
     """The attention's QKV projection, forward and backward."""
     lm_head: bool = False
     """The training loss's logits GEMM (its gradient GEMMs stay bf16)."""
+    quantize_impl: str = "triton"
+    """How the MLP's and QKV's activations and gradients are quantised on CUDA: "triton" (one pass writing
+    both layouts with the clip count and amax, track_1_short/perf/kernels/fp8_quantize.py) or "reference"
+    (torch ops, which Inductor fuses into several passes; model/fp8.py). The same bits. The CPU's emulation
+    always takes the reference."""
     clip_report_fraction: float = 1e-3
     """At log steps, every FP8 operand whose scale saturated more than this fraction of its elements since
     the last log step is reported in the run log."""
@@ -401,6 +406,8 @@ class ModelConfig:
             fail(f"attention_impl={self.attention_impl!r} must be one of {list(ATTENTION_IMPLS)}.")
         if self.loss_impl not in LOSS_IMPLS:
             fail(f"loss_impl={self.loss_impl!r} must be one of {list(LOSS_IMPLS)}.")
+        if self.fp8.quantize_impl not in ("triton", "reference"):
+            fail(f"fp8.quantize_impl={self.fp8.quantize_impl!r} must be 'triton' or 'reference'.")
         if not 0 < self.fp8.clip_report_fraction <= 1:
             fail(f"fp8.clip_report_fraction={self.fp8.clip_report_fraction} must be in (0, 1].")
         if self.prefix_targets and self.vocab_size != 50257:

@@ -35,8 +35,10 @@ and read only at log steps, so the timed loop never waits on it.
 
 Provenance: upstream modded-nanogpt record #92 ("ANVIL2"; perf/kernels/mlp.py, cross_entropy.py,
 qkv_rope.py at 55865738 / f380c1f0): the formats, the scales and the fast-accumulation choices. Here every
-GEMM is a plain ``torch._scaled_mm`` and every quantise a torch op that Inductor fuses; upstream fuses the
-quantises into Triton GEMM epilogues.
+GEMM is a plain ``torch._scaled_mm``; each activation and gradient operand of the MLP and QKV is one Triton
+pass that writes it in both layouts with its clip count and amax (``model.fp8.quantize_impl=triton``,
+track_1_short/perf/kernels/fp8_quantize.py; :func:`quantize_both_reference` is its reference). Upstream
+fuses the quantises into Triton GEMM epilogues.
 """
 
 from __future__ import annotations
@@ -124,6 +126,54 @@ def _t(q: Tensor) -> Tensor:
     return q.t().contiguous()
 
 
+IDENTITY, RELU_SQUARE, DRELU_SQUARE = 0, 1, 2  # the prologues of quantize_both (as its kernel numbers them)
+
+
+def quantize_both_reference(
+    a: Tensor,
+    b: Tensor | None,
+    scale: Tensor,
+    fmt: torch.dtype,
+    clips: Tensor,
+    site: int,
+    prologue: int,
+    amax: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(q, q.T contiguous) of v = a (IDENTITY), relu(a)^2 in a's dtype (RELU_SQUARE) or 2 a relu(b) in fp32
+    (DRELU_SQUARE, b = pre): quantize(v, scale, fmt, clips, site); with ``amax``, first raised to max |v|."""
+    if prologue == RELU_SQUARE:
+        v = F.relu(a).square()
+    elif prologue == DRELU_SQUARE:
+        v = 2.0 * a.float() * F.relu(b).float()
+    else:
+        v = a
+    if amax is not None:
+        amax.copy_(torch.maximum(amax, v.abs().amax().float()))
+    q = quantize(v, scale, fmt, clips, site)
+    return q, _t(q)
+
+
+def quantize_both(
+    a: Tensor,
+    b: Tensor | None,
+    scale: Tensor,
+    fmt: torch.dtype,
+    clips: Tensor,
+    site: int,
+    prologue: int,
+    amax: Tensor | None,
+    reference: bool,
+) -> tuple[Tensor, Tensor]:
+    """:func:`quantize_both_reference` (``reference``), or its one-pass kernel (CUDA, or a CPU under Triton's
+    interpreter; the same bits: track_1_short/perf/kernels/fp8_quantize.py)."""
+    if reference:
+        return quantize_both_reference(a, b, scale, fmt, clips, site, prologue, amax)
+    # imported here: the kernel module's interpreter choice is fixed when it is imported
+    from track_1_short.perf.kernels.fp8_quantize import quantize_both as kernel
+
+    return kernel(a, b, scale, clips, amax, site, prologue, fmt == E5M2, CLIP_AT[fmt])
+
+
 # -- the MLP ---------------------------------------------------------------------------------------------
 
 
@@ -154,37 +204,39 @@ class FP8ReLU2MLP(torch.autograd.Function):
         g_s,
         clips,
         emulate,
+        quant_ref,
     ):
         dt = x.dtype
-        xq = quantize(x, x_s, E4M3, clips, SITE["mlp.x"])
+        xq, xqt = quantize_both(x, None, x_s, E4M3, clips, SITE["mlp.x"], IDENTITY, None, quant_ref)
         pre = fp8_mm(xq, w1_row.t(), x_s, w1_s, dt, True, emulate)  # [T, hidden]
-        post = F.relu(pre).square()
-        post_amax.copy_(torch.maximum(post_amax, post.amax().float()))
-        pq = quantize(post, post_s, E4M3, clips, SITE["mlp.post"])
+        site = SITE["mlp.post"]
+        pq, pqt = quantize_both(pre, None, post_s, E4M3, clips, site, RELU_SQUARE, post_amax, quant_ref)
         out = fp8_mm(pq, w2_t.t(), post_s, w2_s, dt, True, emulate)  # [T, D]
-        # Activations through save_for_backward; the persistent copies, scales and counters by name (the
-        # counters change between forward and backward, which save_for_backward's version check forbids).
-        ctx.save_for_backward(xq, pre, pq)
+        # Activations through save_for_backward (the transposed copies: the weight-gradient GEMMs' operands);
+        # the persistent copies, scales and counters by name (the counters change between forward and
+        # backward, which save_for_backward's version check forbids).
+        ctx.save_for_backward(xqt, pre, pqt)
         ctx.state = (w1_t, w1_s, w2_row, w2_s, post_s, dpre_s, dpre_amax, x_s, g_s, clips)
-        ctx.emulate, ctx.wdtype = emulate, w1.dtype
+        ctx.emulate, ctx.quant_ref, ctx.wdtype = emulate, quant_ref, w1.dtype
         return out
 
     @staticmethod
     def backward(ctx, g):
-        xq, pre, pq = ctx.saved_tensors
+        xqt, pre, pqt = ctx.saved_tensors
         w1_t, w1_s, w2_row, w2_s, post_s, dpre_s, dpre_amax, x_s, g_s, clips = ctx.state
-        em, wdt = ctx.emulate, ctx.wdtype
-        gq = quantize(g, g_s, E5M2, clips, SITE["mlp.grad"])
-        dw2 = fp8_mm(_t(pq), _t(gq).t(), post_s, g_s, wdt, False, em)  # post^T g: [hidden, D]
+        em, qr, wdt = ctx.emulate, ctx.quant_ref, ctx.wdtype
+        gq, gqt = quantize_both(g, None, g_s, E5M2, clips, SITE["mlp.grad"], IDENTITY, None, qr)
+        dw2 = fp8_mm(pqt, gqt.t(), post_s, g_s, wdt, False, em)  # post^T g: [hidden, D]
         # g W2^T [T, hidden] in g's dtype: a [T, hidden] fp32 tensor would double this pass's traffic, and
         # upstream's kernel rounds dpre to bf16 anyway
         dpost = fp8_mm(gq, w2_row.t(), g_s, w2_s, g.dtype, False, em)
-        dpre = 2.0 * dpost.float() * F.relu(pre).float()
-        dpre_amax.copy_(torch.maximum(dpre_amax, dpre.abs().amax()))
-        dq = quantize(dpre, dpre_s, E5M2, clips, SITE["mlp.dpre"])
+        # dpre = 2 dpost relu(pre) in fp32, quantised with its amax taken
+        dq, dqt = quantize_both(
+            dpost, pre, dpre_s, E5M2, clips, SITE["mlp.dpre"], DRELU_SQUARE, dpre_amax, qr
+        )
         dx = fp8_mm(dq, w1_t.t(), dpre_s, w1_s, g.dtype, False, em)  # dpre W1: [T, D]
-        dw1 = fp8_mm(_t(dq), _t(xq).t(), dpre_s, x_s, wdt, False, em)  # dpre^T x: [hidden, D]
-        return (dx, dw1, dw2) + (None,) * 14
+        dw1 = fp8_mm(dqt, xqt.t(), dpre_s, x_s, wdt, False, em)  # dpre^T x: [hidden, D]
+        return (dx, dw1, dw2) + (None,) * 15
 
 
 # -- the QKV projection -------------------------------------------------------------------------------------
@@ -196,25 +248,25 @@ class FP8Linear(torch.autograd.Function):
     with dW_eff = g^T x, the weight's gradient gain * dW_eff."""
 
     @staticmethod
-    def forward(ctx, x, w, gain, w_row, w_t, w_s, x_s, g_s, clips, x_site, g_site, emulate):
+    def forward(ctx, x, w, gain, w_row, w_t, w_s, x_s, g_s, clips, x_site, g_site, emulate, quant_ref):
         gain_c = gain.to(x.dtype).float()
-        xq = quantize(x, x_s, E4M3, clips, x_site)
+        xq, xqt = quantize_both(x, None, x_s, E4M3, clips, x_site, IDENTITY, None, quant_ref)
         out = fp8_mm(xq, w_row.t(), x_s, w_s * gain_c, x.dtype, True, emulate)
-        ctx.save_for_backward(xq, w, gain, gain_c)
+        ctx.save_for_backward(xqt, w, gain, gain_c)
         ctx.state = (w_t, w_s, x_s, g_s, clips)  # persistent: by name, as in FP8ReLU2MLP
-        ctx.emulate, ctx.g_site = emulate, g_site
+        ctx.emulate, ctx.quant_ref, ctx.g_site = emulate, quant_ref, g_site
         return out
 
     @staticmethod
     def backward(ctx, g):
-        xq, w, gain, gain_c = ctx.saved_tensors
+        xqt, w, gain, gain_c = ctx.saved_tensors
         w_t, w_s, x_s, g_s, clips = ctx.state
         em = ctx.emulate
-        gq = quantize(g, g_s, E5M2, clips, ctx.g_site)
+        gq, gqt = quantize_both(g, None, g_s, E5M2, clips, ctx.g_site, IDENTITY, None, ctx.quant_ref)
         dx = fp8_mm(gq, w_t.t(), g_s, w_s * gain_c, g.dtype, False, em)  # g W: [T, D]
-        dw_eff = fp8_mm(_t(gq), _t(xq).t(), g_s, x_s, torch.float32, False, em)  # g^T x: [N, D]
+        dw_eff = fp8_mm(gqt, xqt.t(), g_s, x_s, torch.float32, False, em)  # g^T x: [N, D]
         dgain = (dw_eff * w.float()).sum().to(gain.dtype).reshape(gain.shape)
-        return (dx, (dw_eff * gain_c).to(w.dtype), dgain) + (None,) * 9
+        return (dx, (dw_eff * gain_c).to(w.dtype), dgain) + (None,) * 10
 
 
 # -- the logits GEMM -----------------------------------------------------------------------------------------
@@ -274,6 +326,12 @@ class FP8State:
         self.qkv: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         self.lm_col: Tensor | None = None
         self.lm_w_scale = torch.tensor(LM_W_SCALE, **f32)
+
+    @property
+    def quantize_reference(self) -> bool:
+        """Whether activations and gradients are quantised by torch ops (quantize_both_reference), not by
+        the one-pass kernel: the emulation, or model.fp8.quantize_impl=reference."""
+        return self.emulate or self.cfg.quantize_impl == "reference"
 
     @property
     def emulate(self) -> bool:
@@ -407,6 +465,7 @@ class FP8State:
             c["mlp_g"],
             self._owner_clips("mlp", slot),
             self.emulate,
+            self.quantize_reference,
         )
 
     def qkv_forward(self, layer: int):
@@ -429,6 +488,7 @@ class FP8State:
                 SITE["qkv.x"],
                 SITE["qkv.grad"],
                 self.emulate,
+                self.quantize_reference,
             )
 
         return project
