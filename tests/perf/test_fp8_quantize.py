@@ -90,6 +90,8 @@ def _mlp_and_qkv(kernel: bool, monkeypatch) -> list[torch.Tensor]:
 def test_the_fp8_paths_with_the_kernel_equal_them_with_the_reference_bitwise(monkeypatch):
     ref = _mlp_and_qkv(False, monkeypatch)
     got = _mlp_and_qkv(True, monkeypatch)
-    for name, a, b in zip(("out", "qkv", "dx", "dw1", "dw2", "dwq", "dgain", "clips", "post", "dpre"), ref, got):
+    for name, a, b in zip(
+        ("out", "qkv", "dx", "dw1", "dw2", "dwq", "dgain", "clips", "post", "dpre"), ref, got
+    ):
         assert torch.equal(a, b), name
     assert ref[7][0].sum() > 0  # something saturated, so the counts are compared where they matter

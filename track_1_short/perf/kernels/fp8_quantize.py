@@ -4,8 +4,9 @@ one pass.
 What it replaces: model/fp8.py's ``quantize_both_reference`` on CUDA: torch ops that Inductor turns into
 three or four passes over the operand: the prologue and quantise with the row-major copy, the transposed copy
 the weight-gradient GEMM needs (cuBLAS's FP8 GEMM takes only row-major A and column-major B), the amax of a
-delayed scale and the clip count. On one H100 at stage 2 of record_1gpu those passes took about 92 ms a step
-around the MLP alone, 5x their memory traffic (perf/RESULTS.md, "Train step").
+delayed scale and the clip count. On one H100 at stage 2 of record_1gpu those passes took 92.6 ms a step
+around the MLP alone, where one pass per operand at the memory's bandwidth needs about 36 (perf/RESULTS.md,
+"Train step").
 
 Why it is faster: each program reads one [BM, BN] tile of the operand (and of ``pre`` for dpre) once,
 writes the e4m3/e5m2 tile row-major and transposed (Triton stages the transpose through shared memory, so
@@ -99,7 +100,9 @@ def _quantize_both_kernel(
     tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
 
 
-_INTERPRETED = runs_interpreted(_quantize_both_kernel)  # once, at import (interpreter.runs_interpreted says why)
+_INTERPRETED = runs_interpreted(
+    _quantize_both_kernel
+)  # once, at import (interpreter.runs_interpreted says why)
 
 
 @torch.library.custom_op("track_1_short::fp8_quantize_both", mutates_args=("clips", "amax"))
