@@ -1,5 +1,5 @@
-"""perf/kernels/fp8_quantize.py: the one-pass FP8 operand (both layouts, clip count, amax) against
-model/fp8.py's quantize_both_reference, bit for bit (under the interpreter on the CPU; ``gpu`` on CUDA)."""
+"""perf/kernels/fp8_quantize.py: the one-pass FP8 operand (both layouts, clip count, amax) against the torch
+ops of model/fp8.py's quantize_both, bit for bit (under the interpreter on the CPU; ``gpu`` on CUDA)."""
 
 from __future__ import annotations
 

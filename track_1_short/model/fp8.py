@@ -37,8 +37,8 @@ Provenance: upstream modded-nanogpt record #92 ("ANVIL2"; perf/kernels/mlp.py, c
 qkv_rope.py at 55865738 / f380c1f0): the formats, the scales and the fast-accumulation choices. Here every
 GEMM is a plain ``torch._scaled_mm``; each activation and gradient operand of the MLP and QKV is one Triton
 pass that writes it in both layouts with its clip count and amax (``model.fp8.quantize_impl=triton``,
-track_1_short/perf/kernels/fp8_quantize.py; :func:`quantize_both_reference` is its reference). Upstream
-fuses the quantises into Triton GEMM epilogues.
+track_1_short/perf/kernels/fp8_quantize.py; :func:`quantize_both`'s torch ops are its reference).
+Upstream fuses the quantises into Triton GEMM epilogues.
 """
 
 from __future__ import annotations
@@ -129,30 +129,6 @@ def _t(q: Tensor) -> Tensor:
 IDENTITY, RELU_SQUARE, DRELU_SQUARE = 0, 1, 2  # the prologues of quantize_both (as its kernel numbers them)
 
 
-def quantize_both_reference(
-    a: Tensor,
-    b: Tensor | None,
-    scale: Tensor,
-    fmt: torch.dtype,
-    clips: Tensor,
-    site: int,
-    prologue: int,
-    amax: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """(q, q.T contiguous) of v = a (IDENTITY), relu(a)^2 in a's dtype (RELU_SQUARE) or 2 a relu(b) in fp32
-    (DRELU_SQUARE, b = pre): quantize(v, scale, fmt, clips, site); with ``amax``, first raised to max |v|."""
-    if prologue == RELU_SQUARE:
-        v = F.relu(a).square()
-    elif prologue == DRELU_SQUARE:
-        v = 2.0 * a.float() * F.relu(b).float()
-    else:
-        v = a
-    if amax is not None:
-        amax.copy_(torch.maximum(amax, v.abs().amax().float()))
-    q = quantize(v, scale, fmt, clips, site)
-    return q, _t(q)
-
-
 def quantize_both(
     a: Tensor,
     b: Tensor | None,
@@ -164,14 +140,26 @@ def quantize_both(
     amax: Tensor | None,
     reference: bool,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`quantize_both_reference` (``reference``), or its one-pass kernel (CUDA, or a CPU under Triton's
-    interpreter; the same bits: track_1_short/perf/kernels/fp8_quantize.py)."""
-    if reference:
-        return quantize_both_reference(a, b, scale, fmt, clips, site, prologue, amax)
-    # imported here: the kernel module's interpreter choice is fixed when it is imported
-    from track_1_short.perf.kernels.fp8_quantize import quantize_both as kernel
+    """(q, q.T contiguous) of v = a (IDENTITY), relu(a)^2 in a's dtype (RELU_SQUARE) or 2 a relu(b) in fp32
+    (DRELU_SQUARE, b = pre): quantize(v, scale, fmt, clips, site); with ``amax``, first raised to max |v|.
 
-    return kernel(a, b, scale, clips, amax, site, prologue, fmt == E5M2, CLIP_AT[fmt])
+    ``reference``: torch ops (the CPU's path); otherwise one Triton pass (CUDA, or a CPU under Triton's
+    interpreter), the same bits: track_1_short/perf/kernels/fp8_quantize.py."""
+    if not reference:
+        # imported here: the kernel module's interpreter choice is fixed when it is imported
+        from track_1_short.perf.kernels.fp8_quantize import quantize_both as kernel
+
+        return kernel(a, b, scale, clips, amax, site, prologue, fmt == E5M2, CLIP_AT[fmt])
+    if prologue == RELU_SQUARE:
+        v = F.relu(a).square()
+    elif prologue == DRELU_SQUARE:
+        v = 2.0 * a.float() * F.relu(b).float()
+    else:
+        v = a
+    if amax is not None:
+        amax.copy_(torch.maximum(amax, v.abs().amax().float()))
+    q = quantize(v, scale, fmt, clips, site)
+    return q, _t(q)
 
 
 # -- the MLP ---------------------------------------------------------------------------------------------
@@ -329,7 +317,7 @@ class FP8State:
 
     @property
     def quantize_reference(self) -> bool:
-        """Whether activations and gradients are quantised by torch ops (quantize_both_reference), not by
+        """Whether activations and gradients are quantised by torch ops (quantize_both's reference), not by
         the one-pass kernel: the emulation, or model.fp8.quantize_impl=reference."""
         return self.emulate or self.cfg.quantize_impl == "reference"
 

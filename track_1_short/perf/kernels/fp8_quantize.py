@@ -1,7 +1,7 @@
 """One Triton kernel: an FP8 operand of model/fp8.py in both layouts, its saturation count and its amax, in
 one pass.
 
-What it replaces: model/fp8.py's ``quantize_both_reference`` on CUDA: torch ops that Inductor turns into
+What it replaces: model/fp8.py's ``quantize_both`` reference on CUDA: torch ops that Inductor turns into
 three or four passes over the operand: the prologue and quantise with the row-major copy, the transposed copy
 the weight-gradient GEMM needs (cuBLAS's FP8 GEMM takes only row-major A and column-major B), the amax of a
 delayed scale and the clip count. On one H100 at stage 2 of record_1gpu those passes took 92.6 ms a step
