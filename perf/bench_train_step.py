@@ -30,7 +30,9 @@ failing baseline stops the bench).
 
 What stands between a figure and its floor: the forward/backward/optimizer split (the optimizer is outside
 the FLOP count) and, on CUDA, one profiled Adam cycle: the share of it in which the GPU runs kernels (the rest
-is launch and host overhead) and how kernel time splits into GEMMs, attention and the rest.
+is launch and host overhead), how kernel time splits into GEMMs, attention and the rest, and where the device
+waited (its idle stretches, grouped by the kernels on either side: a host read of a device value, or a run of
+small eager launches, shows up there).
 """
 
 from __future__ import annotations
@@ -154,9 +156,10 @@ class Timer:
 
 def profile_cycle(run_step, first_step: int, n_steps: int, top: int = 0) -> dict:
     """Kernel breakdown of ``n_steps`` consecutive steps under torch.profiler (device activity only); with
-    ``top``, also the ``top`` costliest kernels under the key "top_kernels"."""
+    ``top``, also the ``top`` costliest kernels and the ``top`` largest groups of the device's idle
+    stretches, under the keys "top_kernels" and "idle_gaps"."""
     steps = iter(range(first_step, first_step + n_steps))
-    return profile_device(lambda: run_step(next(steps), None), n_steps, top)
+    return profile_device(lambda: run_step(next(steps), None), n_steps, top, idle=True)
 
 
 def step_times(labels: list[str], marks: list[float], steps: int) -> list[tuple[float, float, float]]:
@@ -454,10 +457,12 @@ def measure_arm(trainer, args: argparse.Namespace, rate: float, arm: str | None)
     return rows
 
 
-def table_title(row: dict) -> str:
-    """The title of a row's kernel table (its arm first, if any)."""
+def table_title(row: dict, idle: bool = False) -> str:
+    """The title of a row's kernel table, or with ``idle`` of its idle-stretch table (its arm first, if
+    any)."""
     arm = f"{row['arm']}, " if "arm" in row else ""
-    return f"{arm}stage {row['stage']}: the costliest kernels of a profiled Adam cycle, per step"
+    what = "where the device idled in" if idle else "the costliest kernels of"
+    return f"{arm}stage {row['stage']}: {what} a profiled Adam cycle, per step"
 
 
 def measured(rows: list[dict]) -> list[dict]:
@@ -535,11 +540,18 @@ def main(argv: list[str] | None = None) -> dict:
     if len(arms) > 1:
         add_vs_baseline(rows)
     tables = {table_title(row): row.pop("top_kernels") for row in rows if row.get("top_kernels")}
+    idle = {table_title(row, idle=True): row.pop("idle_gaps") for row in rows if "idle_gaps" in row}
     print_table(rows)
     for title, table in tables.items():
         print(title)
         for k in table:
             print(kernel_table_line(k))
+    for title, table in idle.items():
+        print(title)
+        for g in table:
+            idle_ms, count = g["idle_ms_per_step"], g["stretches_per_step"]
+            print(f"  {idle_ms:9.3f} ms x{count:<6g} after {g['after']} before {g['before']}")
+    tables.update((title, table) for title, table in idle.items() if table)
 
     payload = {
         **meta,

@@ -91,6 +91,42 @@ def top_kernels(trace_events: list[dict], n: int, steps: int) -> list[dict]:
     ]
 
 
+def idle_gaps(trace_events: list[dict], n: int, steps: int, min_us: float = 10.0) -> list[dict]:
+    """Where the device waited: its idle stretches (no kernel, copy or fill on any stream) of at least
+    ``min_us``, grouped by the work on either side (the names of the last to end before and the first to
+    start after, cut to 60 characters), the ``n`` groups with the most idle time, per step.
+
+    A host that waits on the device (a read of a device value, a synchronize) or falls behind it (a run of
+    small eager launches) shows here as idle time after the last kernel it enqueued; the neighbours say
+    where in the step that was."""
+    device = [e for e in trace_events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
+    spans = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"] if e["cat"] == "kernel" else e["cat"])
+        for e in device
+    )
+    groups: dict[tuple[str, str], list[float]] = {}
+    last_end, last_name = None, None
+    for start, end, name in spans:
+        if last_end is not None and start - last_end >= min_us:
+            acc = groups.setdefault((last_name[:60], name[:60]), [0.0, 0.0, 0.0])
+            acc[0] += 1
+            acc[1] += start - last_end
+            acc[2] = max(acc[2], start - last_end)
+        if last_end is None or end > last_end:
+            last_end, last_name = end, name
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])[:n]
+    return [
+        {
+            "after": before,
+            "before": after,
+            "stretches_per_step": count / steps,
+            "idle_ms_per_step": us / steps / 1e3,
+            "longest_ms": longest / 1e3,
+        }
+        for (before, after), (count, us, longest) in ranked
+    ]
+
+
 def kernel_table_line(kernel: dict) -> str:
     """One printed line of a :func:`top_kernels` entry: ms and share per step, calls, class, name."""
     share = f"{kernel['ms_per_step']:9.3f} ms {kernel['pct']:5.1f}% x{kernel['calls_per_step']:<6g}"
@@ -112,11 +148,14 @@ def device_trace(run: Callable[[], None], n: int) -> list[dict]:
     return trace.get("traceEvents", [])
 
 
-def profile_device(run: Callable[[], None], n: int, top: int = 0) -> dict:
+def profile_device(run: Callable[[], None], n: int, top: int = 0, idle: bool = False) -> dict:
     """:func:`kernel_breakdown` of ``n`` calls of ``run``; with ``top``, also the ``top`` costliest kernels
-    per call under the key "top_kernels"."""
+    per call under the key "top_kernels", and with ``idle`` the ``top`` largest groups of idle stretches
+    (:func:`idle_gaps`) under "idle_gaps"."""
     events = device_trace(run, n)
     out = kernel_breakdown(events)
     if top:
         out["top_kernels"] = top_kernels(events, top, n)
+        if idle:
+            out["idle_gaps"] = idle_gaps(events, top, n)
     return out

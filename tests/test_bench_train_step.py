@@ -220,6 +220,9 @@ def test_arms_run_one_after_another_and_name_their_rows(tmp_path):
 def test_kernel_tables_are_titled_by_arm_and_stage():
     assert bench.table_title({"stage": 2}).startswith("stage 2: the costliest kernels")
     assert bench.table_title({"arm": "mlp", "stage": 2}).startswith("mlp, stage 2: the costliest kernels")
+    assert bench.table_title({"arm": "mlp", "stage": 2}, idle=True).startswith(
+        "mlp, stage 2: where the device idled"
+    )
 
 
 def test_a_failing_arm_becomes_a_row_with_its_error_and_the_next_arm_still_runs(tmp_path, monkeypatch):

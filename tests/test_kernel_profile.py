@@ -75,3 +75,29 @@ def test_top_kernels_ranks_names_by_summed_device_time_per_step():
     rest = kernel_profile.top_kernels(events, n=5, steps=1)
     assert rest[-1] == {"kernel": "gpu_memcpy", "class": "other", "calls_per_step": 2.0, "ms_per_step": 0.010,
                         "pct": pytest.approx(100 * 10 / 95)}  # fmt: skip
+
+
+def test_idle_gaps_group_the_device_waits_by_their_neighbours_per_step():
+    events = trace(
+        ("kernel", "gemm_a", 0.0, 100.0),
+        ("kernel", "small", 20.0, 10.0),  # inside gemm_a's span (another stream): gemm_a ends the work at 100
+        ("kernel", "unique_sort", 300.0, 50.0),  # 200 us idle after gemm_a
+        ("kernel", "hash", 355.0, 5.0),  # 5 us: under the 10 us threshold, not a stretch
+        ("gpu_memcpy", "Memcpy DtoH", 400.0, 10.0),  # 40 us idle after hash
+        ("kernel", "gemm_a", 1000.0, 100.0),  # second step: the device waited 590 us for the host
+        ("kernel", "unique_sort", 1300.0, 50.0),  # 200 us again after gemm_a
+        ("cpu_op", "aten::item", 410.0, 590.0),  # host events are not device work
+    )
+    gaps = kernel_profile.idle_gaps(events, n=2, steps=2)
+    assert [(g["after"], g["before"]) for g in gaps] == [("gpu_memcpy", "gemm_a"), ("gemm_a", "unique_sort")]
+    assert gaps[0]["idle_ms_per_step"] == pytest.approx(0.590 / 2)
+    assert gaps[1]["idle_ms_per_step"] == pytest.approx(0.400 / 2)
+    assert [g["stretches_per_step"] for g in gaps] == [0.5, 1.0]
+    assert [g["longest_ms"] for g in gaps] == pytest.approx([0.590, 0.200])
+    assert kernel_profile.idle_gaps(events, n=5, steps=1)[-1] == {
+        "after": "hash",
+        "before": "gpu_memcpy",
+        "stretches_per_step": 1.0,
+        "idle_ms_per_step": pytest.approx(0.040),
+        "longest_ms": pytest.approx(0.040),
+    }
