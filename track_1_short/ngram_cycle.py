@@ -43,7 +43,8 @@ class NgramCycle:
         self.table = NgramTable(self.ncfg, rank=trainer.rank, world=trainer.world, device=trainer.device)
         self.opt = NgramAdam(self.table, self.ncfg, cfg.optim)
         trainer.model.attach_ngram(self.table)
-        self.queue: dict[int, list] = {}  # step -> its micro batches, read ahead for the cycle
+        # step -> its micro batches, read ahead for the cycle, each with its n-gram (row ids, sign rows)
+        self.queue: dict[int, list] = {}
         self.loader_after: dict[int, dict] = {}  # step -> the loader's position after its batches
         # The pulls' and the table updates' hold on the step, bracketed as the optimizer's is (device time on
         # CUDA, read at log steps only): the train events' ngram_pull_ms and ngram_update_ms.
@@ -65,31 +66,31 @@ class NgramCycle:
         return s
 
     def batches(self, step: int) -> list:
-        """The micro batches of ``step``; at a cycle's first step (or a step out of sequence: the warmup's),
-        read the cycle's batches ahead and pull their rows."""
+        """The micro batches of ``step``, each as (batch, its n-gram row ids and sign rows); at a cycle's
+        first step (or a step out of sequence: the warmup's), read the cycle's batches ahead, hash them all
+        at once and pull their rows."""
         if step not in self.queue:
             self.queue.clear()
             self.loader_after.clear()
             if self.table.per_slot is not None:  # a jump (warmup): the unfinished cycle is abandoned
                 self.table.reset_cache()
             loader = self.trainer.loader
-            for s in range(step, self.cycle_end(step) + 1):
+            steps = range(step, self.cycle_end(step) + 1)
+            read = {}
+            for s in steps:
                 plan = schedule.plan(self.cfg.schedule, s, self.cfg.optim.adam_every)
                 accum = accumulation_steps(plan.batch_tokens, self.trainer.world, self.cfg.micro_batch_tokens)
                 micro = plan.batch_tokens // self.trainer.world // accum
-                self.queue[s] = [loader.next_batch(micro, plan.max_doc_len) for _ in range(accum)]
+                read[s] = [loader.next_batch(micro, plan.max_doc_len) for _ in range(accum)]
                 self.loader_after[s] = loader.state_dict()
             self.pull_time.start()
-            self.table.pull([self._row_ids(b) for s in self.queue for b in self.queue[s]])
+            cycle = [b for s in steps for b in read[s]]
+            ids = iter(self.trainer.model.ngram_indices_of([(b.inputs, b.cu_seqlens) for b in cycle]))
+            self.queue = {s: [(b, next(ids)) for b in read[s]] for s in steps}
+            self.table.pull([rows for s in steps for _, (rows, _) in self.queue[s]])
             self.pull_time.stop()
             self.pull_rows += self.table.want.numel()
         return self.queue.pop(step)
-
-    def _row_ids(self, batch):
-        from track_1_short.data import fixed_boundaries
-
-        cu = fixed_boundaries(batch.cu_seqlens, batch.inputs.numel())
-        return self.trainer.model.ngram_indices(batch.inputs, cu)[0]
 
     def after_backward(self) -> None:
         """Fold a micro batch's row gradient into the cycle's sums as soon as it exists, so that one micro

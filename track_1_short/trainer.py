@@ -361,14 +361,17 @@ class Trainer:
         )  # the cycle's, read ahead
         extra, p = self._loss_fields(plan, micro)
         for m in range(accum):
-            b = ngram_batches[m] if ngram_batches else self.loader.next_batch(micro, plan.max_doc_len)
+            if ngram_batches:
+                b, ngram_ids = ngram_batches[m]
+            else:
+                b = self.loader.next_batch(micro, plan.max_doc_len)
             cu = fixed_boundaries(b.cu_seqlens, micro)
             if p:
                 offset = self._sweep_offset(step, m, accum, p)
                 extra["candidates"] = self.model.candidate_sets.build(b.targets, p, offset)
             # The n-gram rows are looked up here and enter as tensors: the compiled forward traces their
             # embedding, with no graph break on the lookup (the table-off graph count).
-            ngram = {"ngram": self.model.ngram_rows(b.inputs, cu)} if self.ngram is not None else {}
+            ngram = {"ngram": self.model.ngram_rows(*ngram_ids)} if self.ngram is not None else {}
             loss = self.forward(b.inputs, b.targets, cu, windows, mtp, **extra, **ngram)
             if marks is not None:
                 marks("forward")

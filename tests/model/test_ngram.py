@@ -123,6 +123,27 @@ def test_model_hashes_stop_at_documents_unless_cross_document():
         assert (rows[16 + 8].item() == 999) != cross  # its second token's trigram
 
 
+def test_a_cycles_batches_hashed_as_one_stream_equal_each_hashed_alone():
+    # The cycle hashes its micro batches in one call: each batch's first token must start its look-back
+    # (the previous batch's tokens are another context), padded cu_seqlens included.
+    from track_1_short.data import fixed_boundaries
+
+    batches = [
+        packed_batch(lengths, vocab=2000, seed=i) for i, lengths in enumerate([[7, 9], [16], [3, 5, 8]])
+    ]
+    for cross in (False, True):
+        model = GPT(load_config("tiny", cross_document_lookback=cross, **tiny_ngram()), device="meta")
+        given = [
+            (inputs, fixed_boundaries(cu, inputs.numel()) if i else cu)
+            for i, (inputs, _, cu) in enumerate(batches)
+        ]
+        together = model.ngram_indices_of(given)
+        alone = [model.ngram_indices(inputs, cu) for inputs, cu in given]
+        assert len(together) == len(alone)
+        for (r1, s1), (r2, s2) in zip(together, alone):
+            assert torch.equal(r1, r2) and torch.equal(s1, s2)
+
+
 def _dense_reference(table: torch.Tensor, rows, signs, pool):
     """The embedding as a dense table lookup: F.embedding, times the sign rows, summed."""
     t = rows.numel() // 2
@@ -250,8 +271,9 @@ def _graphs_and_grads(model, table, inputs, targets, cu, lookup_outside: bool):
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("eager")
     compiled = torch.compile(model, backend=counter, dynamic=False)
-    table.pull([model.ngram_indices(inputs, cu)[0]])
-    ngram = {"ngram": model.ngram_rows(inputs, cu)} if lookup_outside else {}
+    rows, signs = model.ngram_indices(inputs, cu)
+    table.pull([rows])
+    ngram = {"ngram": model.ngram_rows(rows, signs)} if lookup_outside else {}
     loss = compiled(inputs, targets, cu, (1, 2), **ngram)
     loss.backward()
     rows, grads = table.row_grads()
