@@ -28,7 +28,7 @@ import torch
 
 from track_1_short import checkpoint, distributed, schedule
 from track_1_short.config import accumulation_steps
-from track_1_short.model.ngram import NgramTable
+from track_1_short.model.ngram import NgramTable, ngram_indices_of
 from track_1_short.optim.ngram_adam import NgramAdam, ngram_cadence, row_mean_sq
 from track_1_short.optimizer_time import OptimizerTime
 
@@ -85,7 +85,8 @@ class NgramCycle:
                 self.loader_after[s] = loader.state_dict()
             self.pull_time.start()
             cycle = [b for s in steps for b in read[s]]
-            ids = iter(self.trainer.model.ngram_indices_of([(b.inputs, b.cu_seqlens) for b in cycle]))
+            given = [(b.inputs, b.cu_seqlens) for b in cycle]
+            ids = iter(ngram_indices_of(given, self.ncfg, self.cfg.model.cross_document_lookback))
             self.queue = {s: [(b, next(ids)) for b in read[s]] for s in steps}
             self.table.pull([rows for s in steps for _, (rows, _) in self.queue[s]])
             self.pull_time.stop()

@@ -13,7 +13,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from tests.model.conftest import load_config, packed_batch
 from track_1_short.model.config import ModelConfigError, NgramConfig
 from track_1_short.model.gpt import GPT
-from track_1_short.model.ngram import NgramTable, ngram_embedding, ngram_indices
+from track_1_short.model.ngram import NgramTable, ngram_embedding, ngram_indices, ngram_indices_of
 
 # Upstream ngram_table.py @ f380c1f0, written out here so that a changed default fails a test.
 UPSTREAM = dict(
@@ -137,7 +137,7 @@ def test_a_cycles_batches_hashed_as_one_stream_equal_each_hashed_alone():
             (inputs, fixed_boundaries(cu, inputs.numel()) if i else cu)
             for i, (inputs, _, cu) in enumerate(batches)
         ]
-        together = model.ngram_indices_of(given)
+        together = ngram_indices_of(given, model.cfg.ngram, cross)
         alone = [model.ngram_indices(inputs, cu) for inputs, cu in given]
         assert len(together) == len(alone)
         for (r1, s1), (r2, s2) in zip(together, alone):

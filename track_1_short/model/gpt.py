@@ -272,26 +272,6 @@ class GPT(nn.Module):
         start = lookback_starts(document_starts(cu_seqlens, t), self.cfg.cross_document_lookback)
         return ngram_indices(inputs, start, self.cfg.ngram)
 
-    def ngram_indices_of(self, batches: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
-        """:meth:`ngram_indices` of each (inputs, cu_seqlens) of ``batches``, hashed as one stream: every
-        batch's first token starts its look-back, so the result is each batch's own, in one set of launches
-        instead of one per batch (an optimizer cycle's micro batches: the pull's host time)."""
-        if not batches:
-            return []
-        sizes = [inputs.numel() for inputs, _ in batches]
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        # Where the look-back stops, on the stream: each batch's documents' starts shifted to its offset (with
-        # cross-document look-back, only each batch's first token), built on the device from its cu_seqlens
-        # (a host-made index would be a copy that waits for the stream).
-        cross = self.cfg.cross_document_lookback
-        marks = torch.cat([(cu[:1] if cross else cu) + off for (_, cu), off in zip(batches, offsets)])
-        start = document_starts(marks, sum(sizes))
-        tokens = torch.cat([inputs.reshape(-1) for inputs, _ in batches])
-        rows, signs = ngram_indices(tokens, start, self.cfg.ngram)
-        # [2N] as (bigram rows, trigram rows) of the whole stream -> each batch's [2T] in the same layout
-        rows, signs = rows.view(2, -1).split(sizes, dim=1), signs.view(2, -1).split(sizes, dim=1)
-        return [(r.reshape(-1), s.reshape(-1)) for r, s in zip(rows, signs)]
-
     def ngram_rows(self, rows: Tensor, signs: Tensor) -> tuple[Tensor, Tensor]:
         """(cached rows [2T, ngram.dim], sign rows [2T]) of a batch's :meth:`ngram_indices`, for
         :meth:`forward`'s ``ngram``: the cache lookup (a search and data-dependent checks a compiler cannot

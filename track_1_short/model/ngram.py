@@ -32,6 +32,7 @@ from torch import Tensor
 
 from track_1_short import distributed
 from track_1_short.model.config import ModelConfigError, NgramConfig
+from track_1_short.model.layers import document_starts
 
 
 def _wrap32(values: Tensor) -> Tensor:
@@ -76,6 +77,28 @@ def ngram_indices(tokens: Tensor, lookback_start: Tensor, cfg: NgramConfig) -> t
     rows = torch.cat([bigram_row, trigram_row]).long()
     signs = torch.cat([bigram_sign, trigram_sign]).long()
     return rows, signs
+
+
+def ngram_indices_of(
+    batches: list[tuple[Tensor, Tensor]], cfg: NgramConfig, cross_document: bool
+) -> list[tuple[Tensor, Tensor]]:
+    """:func:`ngram_indices` of each (inputs, cu_seqlens) of ``batches`` as the model hashes it (look-backs
+    stop at document starts, or with ``cross_document`` only at the batch's first token), hashed as one
+    stream: every batch's first token starts its look-back, so the result is each batch's own, in one set of
+    launches instead of one per batch (an optimizer cycle's micro batches: the pull's host time)."""
+    if not batches:
+        return []
+    sizes = [inputs.numel() for inputs, _ in batches]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    # Where the look-back stops, on the stream: each batch's documents' starts shifted to its offset (with
+    # cross-document look-back, only each batch's first token), built on the device from its cu_seqlens (a
+    # host-made index would be a copy that waits for the stream).
+    marks = torch.cat([(cu[:1] if cross_document else cu) + off for (_, cu), off in zip(batches, offsets)])
+    start = document_starts(marks, sum(sizes))
+    rows, signs = ngram_indices(torch.cat([inputs.reshape(-1) for inputs, _ in batches]), start, cfg)
+    # [2N] as (bigram rows, trigram rows) of the whole stream -> each batch's [2T] in the same layout
+    rows, signs = rows.view(2, -1).split(sizes, dim=1), signs.view(2, -1).split(sizes, dim=1)
+    return [(r.reshape(-1), s.reshape(-1)) for r, s in zip(rows, signs)]
 
 
 def new_sign_pool(cfg: NgramConfig) -> Tensor:
