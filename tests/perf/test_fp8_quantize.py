@@ -3,9 +3,12 @@ ops of model/fp8.py's quantize_both, bit for bit (under the interpreter on the C
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 
+from tests.perf.compile_sm90 import compile_outside_the_interpreter
 from track_1_short.model import fp8
 from track_1_short.model.config import FP8Config
 from track_1_short.model.fp8 import CLIP_AT, E4M3, E5M2, SITES, FP8State
@@ -95,3 +98,35 @@ def test_the_fp8_paths_with_the_kernel_equal_them_with_the_reference_bitwise(mon
     ):
         assert torch.equal(a, b), name
     assert ref[7][0].sum() > 0  # something saturated, so the counts are compared where they matter
+
+
+_COMPILE_FOR_H100 = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from track_1_short.model import fp8
+    from track_1_short.perf.kernels.fp8_quantize import BLOCK, _quantize_both_kernel, grid_constants
+
+    count = 0
+    for prologue, fmt, track in ((0, fp8.E4M3, 0), (0, fp8.E5M2, 0), (1, fp8.E4M3, 1), (2, fp8.E5M2, 1)):
+        q = "*fp8e4nv" if fmt == fp8.E4M3 else "*fp8e5"
+        sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "q_ptr": q, "qt_ptr": q, "scale_ptr": "*fp32",
+               "amax_ptr": "*fp32", "clips_ptr": "*i64"}
+        sig.update(dict.fromkeys(("M", "N", "site", "n_sites"), "i32"))
+        consts = {"PROLOGUE": prologue, **grid_constants(fmt), "CLIP": fp8.CLIP_AT[fmt],
+                  "TRACK_AMAX": bool(track), "AS_BITS": False, "BM": BLOCK, "BN": BLOCK}
+        sig.update(dict.fromkeys(consts, "constexpr"))
+        src = ASTSource(fn=_quantize_both_kernel, signature=sig, constexprs=consts)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert compiled.asm["cubin"], (prologue, fmt)
+        count += 1
+    print(f"compiled {count} variants")
+    """
+)
+
+
+def test_the_kernel_compiles_for_the_h100_on_this_machine():
+    # The interpreter accepts code Triton's compiler refuses: the GPU variants compiled here, with no GPU.
+    proc = compile_outside_the_interpreter(_COMPILE_FOR_H100)
+    assert proc.returncode == 0 and "compiled 4 variants" in proc.stdout, proc.stderr[-3000:]

@@ -41,6 +41,17 @@ IDENTITY, RELU_SQUARE, DRELU_SQUARE = 0, 1, 2  # the prologues: v = a; bf16(relu
 BLOCK = 64
 
 
+def grid_constants(fmt: torch.dtype) -> dict:
+    """The kernel's constants of an FP8 format's grid: mantissa bits, smallest normal exponent, largest
+    finite value."""
+    info = torch.finfo(fmt)
+    return {
+        "MANT": round(-math.log2(info.eps)),
+        "MIN_EXP": round(math.log2(info.smallest_normal)),
+        "FMAX": info.max,
+    }
+
+
 @triton.jit
 def _quantize_both_kernel(
     a_ptr,
@@ -89,12 +100,14 @@ def _quantize_both_kernel(
     # Round |y| to the format's grid: at c = 2^23 ulp, fp32's own spacing is the ulp, so (|y| + c) - c is
     # |y| rounded to a multiple of it, to nearest even; below the smallest normal the ulp stays the
     # subnormal step.
+    # (sign and magnitude by shifts: they keep uint32, where a literal 0x80000000 could widen the type)
     bits = y.to(tl.uint32, bitcast=True)
-    mag = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
-    e = tl.maximum(((bits >> 23) & 0xFF).to(tl.int32) - 127, MIN_EXP)
+    sign = (bits >> 31) << 31
+    mag = ((bits << 1) >> 1).to(tl.float32, bitcast=True)
+    e = tl.maximum(((bits << 1) >> 24).to(tl.int32) - 127, MIN_EXP)
     c = ((e - MANT + 127 + 23) << 23).to(tl.float32, bitcast=True)
     mag = (mag + c) - c
-    y = (mag.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+    y = (mag.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     q = y.to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + offs, q, mask=mask)
     tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
@@ -125,8 +138,6 @@ def quantize_both(
     if a.dtype != torch.bfloat16 or a.dim() != 2 or (b is not None and b.shape != a.shape):
         raise ValueError(f"fp8_quantize.quantize_both: a must be 2-D bf16 (b its shape), got {a.dtype}.")
     fmt = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
-    info = torch.finfo(fmt)  # the grid: mantissa bits, smallest normal exponent, largest finite value
-    mant, min_exp = round(-math.log2(info.eps)), round(math.log2(info.smallest_normal))
     m, n = a.shape
     q = torch.empty((m, n), dtype=fmt, device=a.device)
     qt = torch.empty((n, m), dtype=fmt, device=a.device)
@@ -150,9 +161,7 @@ def quantize_both(
         site,
         clips.size(1),
         PROLOGUE=prologue,
-        MANT=mant,
-        MIN_EXP=min_exp,
-        FMAX=info.max,
+        **grid_constants(fmt),
         CLIP=clip_at,
         TRACK_AMAX=amax is not None,
         AS_BITS=_INTERPRETED,
