@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.model.conftest import load_config, packed_batch
-from track_1_short.model.config import FP8Config, ModelConfig, ModelConfigError
+from track_1_short.model.config import FP8Config, ModelConfig, ModelConfigError, NgramConfig
 from track_1_short.model.gpt import GPT
 
 WINDOWS = (1, 3)
@@ -109,6 +109,10 @@ BAD_CONFIGS = {
     "unknown attention path": (dict(attention_impl="fa3"), "attention_impl='fa3'"),
     "zero width": (dict(mlp_hidden=0), "mlp_hidden=0 must be > 0"),
     "unknown FP8 quantise path": (dict(fp8=FP8Config(quantize_impl="torch")), "fp8.quantize_impl='torch'"),
+    "unknown n-gram fold": (
+        dict(ngram=NgramConfig(enabled=True, rows=1000, dim=64, fold_impl="cuda")),
+        "ngram.fold_impl='cuda'",
+    ),
 }
 
 

@@ -142,6 +142,11 @@ class NgramConfig:
     adam_impl: str = "reference"
     """The row update: "reference" (torch ops, optim/ngram_adam.py) or "triton" (one kernel a row,
     track_1_short/perf/kernels/ngram_adam.py; CUDA, or a CPU under TRITON_INTERPRET=1). The same bits."""
+    fold_impl: str = "reference"
+    """How a micro batch's row gradients join the cycle's fp32 sums: "reference" (an fp32 copy and index_add,
+    model/ngram.py) or "triton" (a sorted segment sum, one program a row, no atomics:
+    track_1_short/perf/kernels/ngram_fold.py; CUDA, or a CPU under TRITON_INTERPRET=1). The CPU reference's
+    bits; on CUDA the reference's atomics add in no fixed order."""
 
     def validate(self, model_dim: int, num_layers: int) -> None:
         def fail(msg: str) -> None:
@@ -174,9 +179,11 @@ class NgramConfig:
             fail(f"beta2={self.beta2} must lie in [0, 1).")
         if self.adam_impl not in NGRAM_ADAM_IMPLS:
             fail(f"adam_impl={self.adam_impl!r} must be one of {list(NGRAM_ADAM_IMPLS)}.")
+        if self.fold_impl not in NGRAM_ADAM_IMPLS:
+            fail(f"fold_impl={self.fold_impl!r} must be one of {list(NGRAM_ADAM_IMPLS)}.")
 
 
-NGRAM_ADAM_IMPLS = ("reference", "triton")
+NGRAM_ADAM_IMPLS = ("reference", "triton")  # also the fold's
 
 
 def saved_model_config(saved: dict) -> dict:

@@ -247,7 +247,14 @@ class NgramTable:
     def fold_sinks(self) -> None:
         """Add the gradients of the forwards since the last call into the per-row sums, in call order."""
         for slots, sink in self.sinks:
-            if sink.grad is not None:
+            if sink.grad is None:
+                continue
+            if self.cfg.fold_impl == "triton":
+                # imported here: the kernel module's interpreter choice is fixed when it is imported
+                from track_1_short.perf.kernels.ngram_fold import fold_rows_
+
+                fold_rows_(self.per_slot, slots, sink.grad)
+            else:
                 self.per_slot.index_add_(0, slots, sink.grad.float())
         self.sinks = []
 
