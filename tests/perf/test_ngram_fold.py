@@ -38,11 +38,14 @@ def test_the_fold_equals_the_cpu_index_add_bitwise(device):
 def test_the_fold_adds_in_token_order():
     # Stated from the definition: 1 + 2^-24 + 2^-24 in fp32 left to right is 1 (each small add rounds away);
     # 2^-24 + 2^-24 first would give 1 + 2^-23. Row 0's tokens follow row 1's: the sort must keep their order.
-    sums = torch.zeros(2, 4)
-    ids = torch.tensor([1, 0, 0, 0])
-    grads = torch.tensor([[5.0] * 4, [1.0] * 4, [2.0**-24] * 4, [2.0**-24] * 4]).bfloat16()
+    # Row 2 holds -0 and gets a -0 gradient: -0 + -0 is -0, and nothing past its run may add a +0.
+    sums = torch.zeros(3, 4)
+    sums[2] = -0.0
+    ids = torch.tensor([1, 0, 0, 0, 2])
+    grads = torch.tensor([[5.0] * 4, [1.0] * 4, [2.0**-24] * 4, [2.0**-24] * 4, [-0.0] * 4]).bfloat16()
     fold_rows_(sums, ids, grads)
     assert sums[0].tolist() == [1.0] * 4 and sums[1].tolist() == [5.0] * 4
+    assert torch.signbit(sums[2]).all()
 
 
 def test_the_fold_takes_an_fp32_table_and_refuses_other_dtypes():
@@ -62,7 +65,7 @@ _COMPILE_FOR_H100 = textwrap.dedent(
     from track_1_short.perf.kernels.ngram_fold import _fold_runs_kernel
 
     sig = {"sums_ptr": "*fp32", "grad_ptr": "*bf16", "sorted_ptr": "*i64", "order_ptr": "*i64", "n": "i32"}
-    consts = {"D": 768, "BLOCK": 1024, "AS_BITS": False}
+    consts = {"D": 768, "BLOCK": 1024, "CHUNK": 8, "AS_BITS": False}
     sig.update(dict.fromkeys(consts, "constexpr"))
     src = ASTSource(fn=_fold_runs_kernel, signature=sig, constexprs=consts)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

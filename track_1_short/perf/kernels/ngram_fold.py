@@ -7,8 +7,9 @@ own), so the atomics contend. On one H100 at stage 2 of record_1gpu the index_ad
 (perf/RESULTS.md, "Train step").
 
 Why it is faster: the slots are sorted once (stably); one program per run of equal slots adds its tokens'
-bf16 rows into an fp32 accumulator in registers, in token order, and writes the row's sum once: the sink
-gradient is read once, nothing is copied to fp32 and no two programs touch one row.
+bf16 rows into an fp32 accumulator in registers, in token order (loading CHUNK rows at a time, so a hot
+row's long run is not one memory latency a token), and writes the row's sum once: the sink gradient is read
+once, nothing is copied to fp32 and no two programs touch one row.
 
 Invariants (tests/perf/test_ngram_fold.py, under the interpreter on the CPU and on the GPU): the bits of the
 reference as the CPU computes it, ``per_slot[s] + g[t1] + g[t2] + ...`` left to right in token order (a
@@ -39,6 +40,7 @@ def _fold_runs_kernel(
     n,
     D: tl.constexpr,
     BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
     AS_BITS: tl.constexpr,
 ):
     i = tl.program_id(0)
@@ -52,12 +54,20 @@ def _fold_runs_kernel(
         j = i
         more = i >= 0
         while more:
-            token = tl.load(order_ptr + j).to(tl.int64)
-            acc = acc + load_bf16(grad_ptr + token * D + offs, mask, AS_BITS).to(tl.float32)
-            j += 1
+            # CHUNK tokens' rows loaded at once (their addresses are independent, so the loads overlap: a
+            # hot row's long run costs its length / CHUNK memory latencies), then added one by one in order
+            for k in tl.static_range(CHUNK):
+                at = tl.minimum(j + k, n - 1)
+                inrun = (j + k < n) & (tl.load(sorted_ptr + at) == slot)
+                token = tl.load(order_ptr + at).to(tl.int64)
+                g = load_bf16(grad_ptr + token * D + offs, mask & inrun, AS_BITS).to(tl.float32)
+                acc = tl.where(inrun, acc + g, acc)  # past the run: unchanged (not + 0, which turns -0 to +0)
+            j += CHUNK
             more = (j < n) & (tl.load(sorted_ptr + tl.minimum(j, n - 1)) == slot)
         tl.store(sums_ptr + row + offs, acc, mask=mask)
 
+
+CHUNK = 8  # a run's tokens loaded together
 
 # once, at import (interpreter.runs_interpreted says why)
 _INTERPRETED = runs_interpreted(_fold_runs_kernel)
@@ -75,8 +85,8 @@ def fold_rows_(sums: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor) -> 
         or grads.dtype not in (torch.bfloat16, torch.float32)
     ):
         raise ValueError(
-            f"ngram_fold.fold_rows_: sums must be contiguous fp32 and grads bf16 or fp32, got {sums.dtype} and "
-            f"{grads.dtype}."
+            f"ngram_fold.fold_rows_: sums must be contiguous fp32 and grads bf16 or fp32, got "
+            f"{sums.dtype} and {grads.dtype}."
         )
     n, d = grads.shape
     if n == 0:
@@ -92,6 +102,7 @@ def fold_rows_(sums: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor) -> 
         n,
         D=d,
         BLOCK=triton.next_power_of_2(d),
+        CHUNK=CHUNK,
         AS_BITS=as_bits,
         enable_fp_fusion=False,
         num_warps=4,
