@@ -126,7 +126,7 @@ def _t(q: Tensor) -> Tensor:
     return q.t().contiguous()
 
 
-IDENTITY, RELU_SQUARE, DRELU_SQUARE = 0, 1, 2  # the prologues of quantize_both (as its kernel numbers them)
+IDENTITY, RELU_SQUARE, DRELU_SQUARE = 0, 1, 2  # the prologues of quantize_both (its kernel's PROLOGUE)
 
 
 def quantize_both(

@@ -37,7 +37,6 @@ from track_1_short.perf.kernels.bf16_bits import load_bf16, round_to_bf16_bits, 
 from track_1_short.perf.kernels.interpreter import check_device as _check_device
 from track_1_short.perf.kernels.interpreter import runs_interpreted
 
-IDENTITY, RELU_SQUARE, DRELU_SQUARE = 0, 1, 2  # the prologues: v = a; bf16(relu(a)^2); 2 a relu(b)
 BLOCK = 64
 
 
@@ -82,6 +81,7 @@ def _quantize_both_kernel(
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm[:, None] * N + rn[None, :]
     v = load_bf16(a_ptr + offs, mask, AS_BITS).to(tl.float32)
+    # PROLOGUE (model/fp8.py's numbers): 0 v = a, 1 v = bf16(relu(a)^2), 2 v = 2 a relu(b) in fp32
     if PROLOGUE == 1:
         r = tl.where(v < 0, 0.0, v)
         v = widen_bf16(round_to_bf16_bits(r * r))  # r*r is exact in fp32; the bf16 square rounds it
@@ -131,7 +131,7 @@ def quantize_both(
     clip_at: float,
 ) -> tuple[Tensor, Tensor]:
     """(q, q.T contiguous) of the prologue's value v / scale in e4m3 (``e5m2``: e5m2), saturated: a [M, N]
-    bf16 (b, for DRELU_SQUARE: pre [M, N] bf16), scale fp32 0-D. Adds the elements with |v / scale| >
+    bf16 (b, for prologue 2: pre [M, N] bf16), scale fp32 0-D. Adds the elements with |v / scale| >
     clip_at and the elements seen to clips[0, site] and clips[1, site] (int64 [2, sites]); with ``amax``
     (fp32 0-D), raises it to max |v|."""
     _check_device(a.device, "fp8_quantize.quantize_both", _INTERPRETED, "fp8_quantize", "model.fp8 off")
