@@ -24,6 +24,11 @@ GEMM_MARKERS = ("gemm", "xmma", "nvjet", "cutlass", "cublas", "wgmma", "_mm_", "
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # chrome-trace categories of device work
 
 
+def device_events(trace_events: list[dict]) -> list[dict]:
+    """The trace's device work: kernels, copies and fills (complete events)."""
+    return [e for e in trace_events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
+
+
 def kernel_class(name: str) -> str:
     low = name.lower()
     if any(m in low for m in ATTENTION_MARKERS):
@@ -39,7 +44,7 @@ def kernel_breakdown(trace_events: list[dict]) -> dict:
     Busy time is the union of device intervals (overlapping streams count once); class shares are of the
     summed device time. Percentages; None where the trace holds no device work.
     """
-    device = [e for e in trace_events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
+    device = device_events(trace_events)
     if not device:
         return {"gpu_busy_pct": None, "gemm_pct": None, "attention_pct": None, "other_kernel_pct": None}
     spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device)
@@ -70,7 +75,7 @@ def top_kernels(trace_events: list[dict], n: int, steps: int) -> list[dict]:
 
     Names are cut to 90 characters (Inductor's fused-kernel names run long); the share is of all device time.
     """
-    device = [e for e in trace_events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
+    device = device_events(trace_events)
     total = sum(float(e["dur"]) for e in device)
     per_name: dict[str, list[float]] = {}
     for e in device:
@@ -99,7 +104,7 @@ def idle_gaps(trace_events: list[dict], n: int, steps: int, min_us: float = 10.0
     A host that waits on the device (a read of a device value, a synchronize) or falls behind it (a run of
     small eager launches) shows here as idle time after the last kernel it enqueued; the neighbours say
     where in the step that was."""
-    device = [e for e in trace_events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
+    device = device_events(trace_events)
     spans = sorted(
         (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"] if e["cat"] == "kernel" else e["cat"])
         for e in device

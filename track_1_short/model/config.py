@@ -177,13 +177,13 @@ class NgramConfig:
             fail(f"lr_mul={self.lr_mul} and wd_mul={self.wd_mul} must be >= 0.")
         if not 0.0 <= self.beta2 < 1.0:
             fail(f"beta2={self.beta2} must lie in [0, 1).")
-        if self.adam_impl not in NGRAM_ADAM_IMPLS:
-            fail(f"adam_impl={self.adam_impl!r} must be one of {list(NGRAM_ADAM_IMPLS)}.")
-        if self.fold_impl not in NGRAM_ADAM_IMPLS:
-            fail(f"fold_impl={self.fold_impl!r} must be one of {list(NGRAM_ADAM_IMPLS)}.")
+        if self.adam_impl not in KERNEL_IMPLS:
+            fail(f"adam_impl={self.adam_impl!r} must be one of {list(KERNEL_IMPLS)}.")
+        if self.fold_impl not in KERNEL_IMPLS:
+            fail(f"fold_impl={self.fold_impl!r} must be one of {list(KERNEL_IMPLS)}.")
 
 
-NGRAM_ADAM_IMPLS = ("reference", "triton")  # also the fold's
+KERNEL_IMPLS = ("reference", "triton")  # a switch between torch ops and one Triton kernel
 
 
 def saved_model_config(saved: dict) -> dict:
@@ -413,8 +413,8 @@ class ModelConfig:
             fail(f"attention_impl={self.attention_impl!r} must be one of {list(ATTENTION_IMPLS)}.")
         if self.loss_impl not in LOSS_IMPLS:
             fail(f"loss_impl={self.loss_impl!r} must be one of {list(LOSS_IMPLS)}.")
-        if self.fp8.quantize_impl not in ("triton", "reference"):
-            fail(f"fp8.quantize_impl={self.fp8.quantize_impl!r} must be 'triton' or 'reference'.")
+        if self.fp8.quantize_impl not in KERNEL_IMPLS:
+            fail(f"fp8.quantize_impl={self.fp8.quantize_impl!r} must be one of {list(KERNEL_IMPLS)}.")
         if not 0 < self.fp8.clip_report_fraction <= 1:
             fail(f"fp8.clip_report_fraction={self.fp8.clip_report_fraction} must be in (0, 1].")
         if self.prefix_targets and self.vocab_size != 50257:
