@@ -145,15 +145,16 @@ def welch_p(a: list[float], b: list[float]) -> float | None:
 
 def rows_of(results: dict[str, dict[int, dict]], overrides: dict[str, list[str]]) -> list[dict]:
     """One row per arm from {arm: {seed: figures}}, deltas against the ``all`` arm's means."""
-    base = results.get("all", {})
-    base_figs = list(base.values())
-    base_tps, _ = _mean_sd([f["tokens_per_s"] for f in base.values()])
-    base_val, _ = _mean_sd([f["val_loss"] for f in base.values()])
+    base = [results.get("all", {})[seed] for seed in sorted(results.get("all", {}))]
+    base_tps_list, base_val_list = [f["tokens_per_s"] for f in base], [f["val_loss"] for f in base]
+    base_tps, _ = _mean_sd(base_tps_list)
+    base_val, _ = _mean_sd(base_val_list)
     rows = []
     for arm, by_seed in results.items():
         figs = [by_seed[seed] for seed in sorted(by_seed)]
-        tps, tps_sd = _mean_sd([f["tokens_per_s"] for f in figs])
-        val, val_sd = _mean_sd([f["val_loss"] for f in figs])
+        tps_list, val_list = [f["tokens_per_s"] for f in figs], [f["val_loss"] for f in figs]
+        tps, tps_sd = _mean_sd(tps_list)
+        val, val_sd = _mean_sd(val_list)
         last, _ = _mean_sd([f["val_loss_last_iterate"] for f in figs])
         tail_s, _ = _mean_sd([f["tail_s"] for f in figs if f.get("tail_s") is not None])
         train_s, _ = _mean_sd([f["train_time_s"] for f in figs])
@@ -170,12 +171,8 @@ def rows_of(results: dict[str, dict[int, dict]], overrides: dict[str, list[str]]
             "tail_pct": None if tail_s is None else 100 * tail_s / train_s,
             "d_tokens_per_s_pct": None if arm == "all" or not base_tps else 100 * (tps / base_tps - 1),
             "d_val_mnats": None if arm == "all" or base_val is None else 1e3 * (val - base_val),
-            "p_tokens_per_s": None
-            if arm == "all"
-            else welch_p([f["tokens_per_s"] for f in figs], [f["tokens_per_s"] for f in base_figs]),
-            "p_val": None
-            if arm == "all"
-            else welch_p([f["val_loss"] for f in figs], [f["val_loss"] for f in base_figs]),
+            "p_tokens_per_s": None if arm == "all" else welch_p(tps_list, base_tps_list),
+            "p_val": None if arm == "all" else welch_p(val_list, base_val_list),
             "upstream": UPSTREAM.get(arm, ""),
         }
         rows.append(row)
