@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from tests.faults_runs import build
 from tests.test_train import short_cfg
 from track_1_short import trainer
 
@@ -38,3 +40,19 @@ def test_compiled_run_with_the_table_learns_compiles_in_warmup_and_stays_near_ea
     end = next(e for e in events if e["event"] == "end")
     assert end["timed_loop_graphs"] == 0, end
     assert any(e.get("ngram_pull_ms", 0) > 0 for e in events if e["event"] == "train")
+
+
+def test_a_cycles_pull_leaves_the_queued_step_running_and_pulls_its_rows(tmp_path):
+    """The pull's one host read (torch.unique's size, the shard cuts) waits for its own stream's read-ahead
+    and hashing, not for the step queued before it on the main stream; the rows it pulls are the cycle's."""
+    cfg = short_cfg(str(tmp_path), "device=cuda", "compile=false", "warmup=false", *NG)
+    t = build(cfg)
+    queued = torch.cuda.Event()
+    torch.cuda._sleep(2_000_000_000)  # about a second of the device's clock: the step still running
+    queued.record()
+    micro = t.ngram.batches(0)
+    assert not queued.query(), "the pull waited for the work queued before it"
+    torch.cuda.synchronize()
+    cycle = [rows for s in [0, *t.ngram.queue] for _, (rows, _) in (micro if s == 0 else t.ngram.queue[s])]
+    assert torch.equal(t.ngram.table.want, torch.unique(torch.cat(cycle)))
+    assert t.ngram.table.cache.shape == (t.ngram.table.want.numel(), 128)

@@ -7,6 +7,7 @@ checkpoint after step 2 is taken inside a cycle, with its gradient so far pendin
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from tests.faults_runs import build, final_state, run_route, short_cfg
 from tests.test_faults import CKPT, assert_tree_bitwise_equal, die
 from track_1_short import checkpoint, trainer
 from track_1_short.checkpoint import CheckpointError
+from track_1_short.guards import FaultInjectionConfig, GuardConfig, Guards, NonFiniteGradError
 from track_1_short.model.config import NgramConfig
 from track_1_short.ngram_cycle import NgramCycle
 from track_1_short.optim.anvil import OptimConfig
@@ -183,25 +185,38 @@ def test_two_gloo_ranks_train_checkpoint_and_resume_on_one(tmp_path):
     assert t.ngram.opt.events == 2
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 2.0])
 @pytest.mark.parametrize("policy", ["stop", "skip"])
-def test_a_non_finite_row_gradient_stops_or_skips_the_update(policy, bad):
-    """The table is sharded, so the replica checksum cannot see it: its update checks the merged row
-    gradients instead (on every rank alike: one all-reduce of the flag)."""
+def test_a_non_finite_row_gradient_stops_or_skips_the_step_through_the_guards(policy, bad):
+    """The table is sharded, so the replica checksum cannot see it: at its update step the merged row
+    gradients' flag joins the guards' one read of the step (no sync of its own), and a bad one stops the run
+    naming the table or skips the step (the model's gradients and the table's update, on every rank); a
+    finite one lets the update through."""
     cfg = NgramConfig(enabled=True, rows=64, dim=4)
-    cycle = _cycle(0, 1, cfg, nan_policy=policy)
+    cycle = _cycle(0, 1, cfg)
     cycle.table.shard.fill_(1.0)
     cycle.table.pull([torch.tensor([3, 5])])
     rows = cycle.table.lookup(torch.tensor([3, 5]))
     (rows.float() * torch.tensor([[1.0], [bad]])).sum().backward()
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.ones(3)
+    guards = Guards(GuardConfig(nan_policy=policy), FaultInjectionConfig(), {"w": weight}, {}, [])
     before = cycle.table.shard.clone()
-    if policy == "stop":
-        with pytest.raises(FloatingPointError, match="n-gram table's row gradients"):
-            cycle.after_step(1, 1.0, applied=True)
-    else:
-        cycle.after_step(1, 1.0, applied=True)
-        assert cycle.skipped_updates == [1] and cycle.opt.events == 0
-    assert torch.equal(cycle.table.shard, before)
+    with pytest.raises(RuntimeError, match="row_gradient_check"):
+        cycle.after_step(1, 1.0, applied=True)  # an update step whose flag the guards never saw
+    flag = cycle.row_gradient_check(1)
+    finite = math.isfinite(bad)
+    if not finite and policy == "stop":
+        with pytest.raises(NonFiniteGradError, match="'ngram_table' \\(on 1 of 1"):
+            guards.grads_ok(1, {"ngram_table": flag})
+        assert torch.equal(cycle.table.shard, before)
+        return
+    applied = guards.grads_ok(1, {"ngram_table": flag})
+    assert applied == finite and (weight.grad is None) == (not finite)
+    cycle.after_step(1, 1.0, applied)
+    assert cycle.skipped_updates == ([] if finite else [1]) and cycle.opt.events == int(finite)
+    moved = ~(cycle.table.shard == before).all(1)
+    assert moved.nonzero().flatten().tolist() == ([3, 5] if finite else [])
 
 
 def test_the_warmup_restores_one_ranks_state_of_a_sharded_table_in_place():

@@ -7,7 +7,8 @@ Two silent failures this module turns into errors that name the parameter:
    and before ``opt.step``: one ``_foreach_norm`` (L1) over every local gradient gives one number per label;
    a sum propagates NaN and inf on every backend (a max need not), so a non-finite norm means a non-finite
    gradient (or one beyond 1e38 in sum, broken as well). The flags of every rank are summed by one small
-   all_reduce, so every rank takes the same decision from one host read per step. ``guards.nan_policy``:
+   all_reduce, so every rank takes the same decision from one host read per step (the
+   n-gram table's row-gradient flag, ngram_cycle.py, rides along). ``guards.nan_policy``:
    "stop" raises :class:`NonFiniteGradError` naming the step, the labels and how many ranks saw them; "skip"
    drops every gradient of the step on every rank and leaves parameters and optimizer state as they were
    (on an Adam step this also drops the Adam gradients accumulated since the last Adam step: they are summed
@@ -199,18 +200,27 @@ class Guards:
         self.skipped_steps: list[int] = []
 
     # -- gradients --
-    def grads_ok(self, step: int) -> bool:
+    def grads_ok(self, step: int, extra: Mapping[str, torch.Tensor] | None = None) -> bool:
         """After the backward of ``step``, before ``opt.step``: True to apply the update.
 
         "skip": False, every gradient dropped, on every rank alike. "stop": raises NonFiniteGradError.
+        ``extra``: name -> a [1] flag (1.0: non-finite) of a gradient no parameter here holds (the n-gram
+        table's row gradients: ngram_cycle.py), read with the parameters' in the step's one host read and
+        judged like them.
         """
         self._inject_nan(step)
         if self.cfg.nan_policy == "off":
             return True
+        extra = dict(extra or {})
         flags = nonfinite_flags([self.params[label].grad for label in self.labels])
+        if extra:
+            flags = torch.cat(
+                [flags, *(f.reshape(1).to(flags.device, torch.float32) for f in extra.values())]
+            )
         distributed.all_reduce_sum(flags)  # every rank sees how many ranks found each label non-finite
         counts = flags.tolist()  # the one device-to-host read of the check
-        bad = [(label, int(n)) for label, n in zip(self.labels, counts) if n > 0]
+        labels = self.labels + list(extra)
+        bad = [(label, int(n)) for label, n in zip(labels, counts) if n > 0]
         if not bad:
             return True
         if self.cfg.nan_policy == "stop":

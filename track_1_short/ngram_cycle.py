@@ -14,19 +14,22 @@ A resume reads every saved shard file that overlaps this rank's rows, so a diffe
 table and its Adam rows exactly; a cycle's gradient so far is per rank, so only a checkpoint taken at a cycle
 boundary (none pending) can be resumed on another world size.
 
-What guards the table: it is sharded, not replicated, so the replica checksum cannot cover it. Before each
-update every rank checks the cycle's merged row gradients for NaN/inf and the ranks agree on the result
-(one all-reduce): with guards.nan_policy "skip" the update is dropped on every rank, "stop" raises; a
-checkpoint refuses a non-finite shard or Adam row (checkpoint.assert_finite).
+What guards the table: it is sharded, not replicated, so the replica checksum cannot cover it. At each
+update step the cycle's merged row gradients are checked for NaN/inf before the guards run, and the guards
+read that flag with the model's (guards.py: one all-reduce and one host read for both): with
+guards.nan_policy "skip" the step and the table's update are dropped on every rank, "stop" raises naming the
+table; a checkpoint refuses a non-finite shard or Adam row (checkpoint.assert_finite).
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
-from track_1_short import checkpoint, distributed, schedule
+from track_1_short import checkpoint, schedule
 from track_1_short.config import accumulation_steps
 from track_1_short.model.ngram import NgramTable, ngram_indices_of
 from track_1_short.optim.ngram_adam import NgramAdam, ngram_cadence, row_mean_sq
@@ -54,6 +57,9 @@ class NgramCycle:
         # that a report can set each against the bytes it had to move (perf/run_summary.py).
         self.pull_rows = self.update_rows = 0
         self.skipped_updates: list[int] = []
+        self._closing: tuple[Tensor, Tensor, Tensor] | None = None  # the update's (rows, grads, mean_sq)
+        cuda = self.table.device.type == "cuda"
+        self.index_stream = torch.cuda.Stream(self.table.device) if cuda else None
 
     # -- the cycle --
 
@@ -68,71 +74,111 @@ class NgramCycle:
     def batches(self, step: int) -> list:
         """The micro batches of ``step``, each as (batch, its n-gram row ids and sign rows); at a cycle's
         first step (or a step out of sequence: the warmup's), read the cycle's batches ahead, hash them all
-        at once and pull their rows."""
+        at once and pull their rows.
+
+        On CUDA the read-ahead, the hashing and the pull's index half (torch.unique and its read to the host)
+        run on a stream of their own: that read then waits for the hashing only, while the previous step's
+        optimizer and table update still run on the main stream, and the host goes on to the pull's data
+        half and the first forward meanwhile (on one stream it drained the queue, and the device idled
+        while the host read, hashed and launched)."""
         if step not in self.queue:
             self.queue.clear()
             self.loader_after.clear()
             if self.table.per_slot is not None:  # a jump (warmup): the unfinished cycle is abandoned
                 self.table.reset_cache()
-            loader = self.trainer.loader
             steps = range(step, self.cycle_end(step) + 1)
-            read = {}
-            for s in steps:
-                plan = schedule.plan(self.cfg.schedule, s, self.cfg.optim.adam_every)
-                accum = accumulation_steps(plan.batch_tokens, self.trainer.world, self.cfg.micro_batch_tokens)
-                micro = plan.batch_tokens // self.trainer.world // accum
-                read[s] = [loader.next_batch(micro, plan.max_doc_len) for _ in range(accum)]
-                self.loader_after[s] = loader.state_dict()
+            # a carried gradient (after a resume) was made on the main stream: plan beside it, on it
+            side = self.index_stream if self.table.carry is None else None
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                read = self._read_ahead(steps)
+                cycle = [b for s in steps for b in read[s]]
+                given = [(b.inputs, b.cu_seqlens) for b in cycle]
+                ids = iter(ngram_indices_of(given, self.ncfg, self.cfg.model.cross_document_lookback))
+                self.queue = {s: [(b, next(ids)) for b in read[s]] for s in steps}
+                plan = self.table.plan([rows for s in steps for _, (rows, _) in self.queue[s]])
+            if side is not None:
+                main = torch.cuda.current_stream(self.table.device)
+                main.wait_stream(side)
+                # made on the side stream, read on the main one: their memory is not reused before then
+                for s in steps:
+                    for b, (rows, signs) in self.queue[s]:
+                        for t in (*b, rows, signs):
+                            t.record_stream(main)
+                plan.want.record_stream(main)
             self.pull_time.start()
-            cycle = [b for s in steps for b in read[s]]
-            given = [(b.inputs, b.cu_seqlens) for b in cycle]
-            ids = iter(ngram_indices_of(given, self.ncfg, self.cfg.model.cross_document_lookback))
-            self.queue = {s: [(b, next(ids)) for b in read[s]] for s in steps}
-            self.table.pull([rows for s in steps for _, (rows, _) in self.queue[s]])
+            self.table.fill(plan)
             self.pull_time.stop()
             self.pull_rows += self.table.want.numel()
         return self.queue.pop(step)
+
+    def _read_ahead(self, steps: range) -> dict[int, list]:
+        """The batches of ``steps`` from the trainer's loader (its position after each kept)."""
+        loader, read = self.trainer.loader, {}
+        for s in steps:
+            plan = schedule.plan(self.cfg.schedule, s, self.cfg.optim.adam_every)
+            accum = accumulation_steps(plan.batch_tokens, self.trainer.world, self.cfg.micro_batch_tokens)
+            micro = plan.batch_tokens // self.trainer.world // accum
+            read[s] = [loader.next_batch(micro, plan.max_doc_len) for _ in range(accum)]
+            self.loader_after[s] = loader.state_dict()
+        return read
 
     def after_backward(self) -> None:
         """Fold a micro batch's row gradient into the cycle's sums as soon as it exists, so that one micro
         batch's sink (2T x dim) is alive at a time, not a whole step's."""
         self.table.fold_sinks()
 
-    def after_step(self, step: int, lr_multiplier: float, applied: bool) -> None:
-        """After the step's optimizer update (``applied``: the guards let it through); at the cycle's update
-        step, update the table. A skipped step's row gradient is already in the cycle's sums, so the cycle's
-        table gradient is dropped whole: its update then moves no row."""
-        self.table.fold_sinks()
-        if not applied:
-            self.table.per_slot.zero_()
-        if not self.opt.due(step):
-            return
-        self.update_time.start()
-        try:
-            self._update(step, lr_multiplier)
-        finally:
-            self.update_time.stop()
+    def row_gradient_check(self, step: int) -> Tensor | None:
+        """Collective. At an update step, after its last backward and before the guards: end the cycle (its
+        row gradients summed on their owners) and return their non-finite flag [1] (1.0: NaN or inf), for
+        the guards to read with the step's own check (guards.Guards.grads_ok's ``extra``); None at other
+        steps.
 
-    def _update(self, step: int, lr_multiplier: float) -> None:
+        The table is sharded, so the replica checksum cannot cover it: this flag is what guards it. Read in
+        the guards' one host read of the step, it costs no sync of its own (a read here drained the step's
+        optimizer, and the device idled while the host read the next cycle ahead)."""
+        if not self.opt.due(step):
+            return None
+        self.update_time.start()
         rows, grads = self.table.row_grads()
-        # The update's row mean squares are non-finite exactly where a row's gradient holds NaN or inf (or
-        # squares past fp32's range, where the update would be lost anyway): checked on those [N] values, not
-        # on the [N, dim] gradient, and computed once for the update. Decided on the device, so that the
-        # ranks' agreement and the decision cost one read to the host.
+        # The row mean squares are non-finite exactly where a row's gradient holds NaN or inf (or squares
+        # past fp32's range, where the update would be lost anyway): checked on those [N] values, not on the
+        # [N, dim] gradient, and computed once for the update too.
         mean_sq = row_mean_sq(grads)
-        bad = (~torch.isfinite(mean_sq).all()).float().reshape(1)
-        distributed.all_reduce_max(bad)
-        if bad.item():
-            if self.cfg.guards.nan_policy == "stop":
-                raise FloatingPointError(
-                    f"step {step}: the n-gram table's row gradients hold NaN or inf (guards.nan_policy=stop)."
+        self.update_time.stop()
+        self._closing = (rows, grads, mean_sq)
+        return (~torch.isfinite(mean_sq).all()).float().reshape(1)
+
+    def after_step(self, step: int, lr_multiplier: float, applied: bool) -> None:
+        """After the step's optimizer update (``applied``: the guards let it through, the table's flag
+        included); at the cycle's update step, update the table. A skipped step drops the table's gradient
+        so far: at an update step the update is skipped (no event, no row moves), at another the cycle's
+        sums restart from zero."""
+        closing, self._closing = self._closing, None
+        if closing is None:
+            if self.opt.due(step):
+                raise RuntimeError(
+                    f"NgramCycle.after_step: step {step} updates the table, but row_gradient_check() was not "
+                    "called after its backward (the guards read its flag)."
                 )
-            if self.cfg.guards.nan_policy == "skip":
-                self.skipped_updates.append(step)
-                return
+            self.table.fold_sinks()
+            if not applied:
+                self.table.per_slot.zero_()
+            return
+        if not applied:
+            self.skipped_updates.append(step)
+            return
+        rows, grads, mean_sq = closing
         _, beta2, wd_mul = ngram_cadence(self.cfg.optim, step, self.ncfg)
-        lr = self.cfg.optim.adam_lr * lr_multiplier
-        self.opt.update(rows, grads, lr=lr, beta2=beta2, wd_mul=wd_mul, mean_sq=mean_sq)
+        self.update_time.start()
+        self.opt.update(
+            rows,
+            grads,
+            lr=self.cfg.optim.adam_lr * lr_multiplier,
+            beta2=beta2,
+            wd_mul=wd_mul,
+            mean_sq=mean_sq,
+        )
+        self.update_time.stop()
         self.update_rows += rows.numel()
 
     def take_ms(self) -> dict[str, float]:

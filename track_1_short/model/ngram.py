@@ -26,6 +26,7 @@ order.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -115,6 +116,15 @@ def ngram_embedding(rows: Tensor, sign_pool: Tensor, signs: Tensor) -> Tensor:
     return signed[:t] + signed[t:]
 
 
+class PullPlan(NamedTuple):
+    """What :meth:`NgramTable.plan` found: the sorted unique rows (int64, on the device), the first slot of
+    each rank's rows in them and their end (host ints), and the carried gradient the pull consumed."""
+
+    want: Tensor
+    cuts: list[int]
+    carry: tuple[Tensor, Tensor] | None
+
+
 class NgramTable:
     """This rank's shard of the table and the model's cache of the live cycle's rows.
 
@@ -176,6 +186,13 @@ class NgramTable:
     def pull(self, row_ids: list[Tensor]) -> None:
         """Collective: fill the cache with every row of ``row_ids`` (a cycle's batches, or between
         :meth:`begin_eval` and :meth:`end_eval` a validation batch's) from its owner."""
+        self.fill(self.plan(row_ids))
+
+    @torch.no_grad()
+    def plan(self, row_ids: list[Tensor]) -> PullPlan:
+        """The index half of :meth:`pull`: the sorted unique rows and the shard cuts, read to the host (the
+        one sync of a pull). Local work only, so it may run on a side stream (ngram_cycle.py): the read then
+        waits for that stream's hashing, not for the step queued before it."""
         if self._stash is None and (self.sinks or self.per_slot is not None):
             raise RuntimeError(
                 "NgramTable.pull: the live cycle's gradient was never returned (row_grads()) or dropped "
@@ -191,12 +208,18 @@ class NgramTable:
         # the shard cuts and the id range in one read to the host (one sync, not three)
         bounds = torch.tensor(self.bounds, device=self.device)
         host = torch.cat([torch.searchsorted(want, bounds), want[:1], want[-1:]]).tolist()
-        cuts = host[: self.world + 1]
         if want.numel() and (host[-2] < 0 or host[-1] >= self.cfg.rows):
             raise ValueError(
                 f"NgramTable.pull: row ids in [{host[-2]}, {host[-1]}] outside the table's "
                 f"[0, {self.cfg.rows}); hash with the same model.ngram.rows."
             )
+        return PullPlan(want, host[: self.world + 1], carry)
+
+    @torch.no_grad()
+    def fill(self, plan: PullPlan) -> None:
+        """Collective, the data half of :meth:`pull` (on the stream the forward reads from): the exchanges,
+        the local rows and the cycle's gradient sums."""
+        want, cuts, carry = plan
         lo, hi = cuts[self.rank], cuts[self.rank + 1]
         send_counts = [0 if r == self.rank else cuts[r + 1] - cuts[r] for r in range(self.world)]
         recv_counts = distributed.exchange_counts(send_counts, self.device)
