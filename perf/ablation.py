@@ -5,7 +5,9 @@
     python perf/ablation.py --from-runs DIR --command "..." --out perf/results/ablation.json   # re-read runs
 
 Each run is ``python -m track_1_short.train experiment=record_1gpu seed=S`` plus the arm's overrides (one
-process per run, as a user runs it). An arm turns one of the record's components off relative to the preset
+process per run, as a user runs it). On a machine with several GPUs the runs go side by side, one per GPU
+(``--gpus``, every visible GPU by default): 3 seeds of 5 arms take two rounds on 8 GPUs instead of 15 runs
+in a row. An arm turns one of the record's components off relative to the preset
 (or on, where the preset leaves it off: the ``fp8`` arm then says ``on``):
 
 - ``all``: the preset as configured;
@@ -38,10 +40,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import queue
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from track_1_short.run_log import read_events
@@ -59,6 +64,20 @@ UPSTREAM = {  # upstream's ablation rows (record #92 README / PR #360), quoted a
     "tail": "tail averaging (EMA + tavg + blend): wall +0.52 s, val +20.2 mnats, net +3.82 s",
 }
 ARMS = ("all", "ngram", "ce_stack", "fp8", "tail")
+
+
+def gpu_slots(n: int | None) -> list[str | None]:
+    """The devices that runs are pinned to, one run each at a time: ``n`` of the visible GPUs (all by
+    default), as CUDA_VISIBLE_DEVICES values; [None] (no pinning) for one."""
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    most = max(1, len(ids))
+    n = most if n is None else n
+    if not 1 <= n <= most:
+        raise SystemExit(f"ablation: --gpus {n}, but {len(ids)} GPU(s) are visible; give 1 to {most}.")
+    return [None] if n == 1 else ids[:n]
 
 
 def preset_config(overrides: list[str]):
@@ -192,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--deadline-s", type=float, default=math.inf, help="start no run after this many seconds")
     p.add_argument("--run-timeout-s", type=float, default=900.0, help="stop one run after this many seconds")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="runs at once, each on a GPU of its own (default: every visible GPU; one run per GPU)",
+    )
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if (args.from_runs is None) != (args.command is None):
@@ -209,41 +234,72 @@ def main(argv: list[str] | None = None) -> int:
             device=env["devices"][0]["name"],
             **{k: env.get(k) for k in ("torch", "triton", "cuda", "python")},
         )
+    notes = [
+        "Deltas: arm's mean minus the all arm's mean (tokens/s in percent, val loss in millinats); "
+        "sd: sample standard deviation over the seeds (None with one seed).",
+        "upstream: record #92's ablation on 8 H100s (its README and PR #360), quoted as written.",
+        "FlexAttention is the stack's only attention kernel: upstream's attention row has no arm.",
+        *args.note,
+    ]
+    devices = gpu_slots(args.gpus)
+    if len(devices) > 1 and args.from_runs is None:
+        notes.append(
+            f"{len(devices)} runs at once, each on a GPU of its own (CUDA_VISIBLE_DEVICES): the host's cores "
+            "and memory are shared."
+        )
+
+    def record(arm: str, seed: int, figs: dict | None) -> None:
+        if figs is not None:
+            results[arm][seed] = figs
+            print(f"ablation: {arm}_s{seed}: {figs}", flush=True)
+        payload["rows"] = rows_of({a: r for a, r in results.items() if r}, overrides)
+        payload["notes"] = notes
+        if payload["rows"]:
+            write_bench_json(args.out, payload)
+
     # Seeds outermost: a call cut short still has every arm at the first seeds.
+    jobs = []
     for seed in args.seeds:
         for arm in args.arms:
-            name = f"{arm}_s{seed}"
-            figs = run_figures(root / name)  # --from-runs, or a run an earlier call finished
+            figs = run_figures(root / f"{arm}_s{seed}")  # --from-runs, or a run an earlier call finished
             if figs is not None and args.from_runs is None:
-                print(f"ablation: {name} finished in an earlier call: read, not run again", flush=True)
-            elif figs is None and args.from_runs is None:
-                if time.monotonic() - t0 > args.deadline_s:
-                    print(f"ablation: deadline reached, {name} not started", flush=True)
-                    continue
-                cmd = [
-                    sys.executable, "-m", "track_1_short.train", f"experiment={PRESET}", f"seed={seed}",
-                    f"runs_root={root}", f"run_name={name}", "progress_bar=false",
-                    *overrides[arm], *args.overrides,
-                ]  # fmt: skip
-                print(f"ablation: {name}: {' '.join(cmd[2:])}", flush=True)
-                try:
-                    subprocess.run(cmd, cwd=REPO_ROOT, timeout=args.run_timeout_s, check=False)
-                except subprocess.TimeoutExpired:
-                    print(f"ablation: {name} ran past {args.run_timeout_s:.0f} s and was stopped", flush=True)
-                figs = run_figures(root / name)
-            if figs is not None:
-                results[arm][seed] = figs
-                print(f"ablation: {name}: {figs}", flush=True)
-            payload["rows"] = rows_of({a: r for a, r in results.items() if r}, overrides)
-            payload["notes"] = [
-                "Deltas: arm's mean minus the all arm's mean (tokens/s in percent, val loss in millinats); "
-                "sd: sample standard deviation over the seeds (None with one seed).",
-                "upstream: record #92's ablation on 8 H100s (its README and PR #360), quoted as written.",
-                "FlexAttention is the stack's only attention kernel: upstream's attention row has no arm.",
-                *args.note,
-            ]
-            if payload["rows"]:
-                write_bench_json(args.out, payload)
+                print(f"ablation: {arm}_s{seed} finished in an earlier call: read, not run again", flush=True)
+            if figs is not None or args.from_runs is not None:
+                record(arm, seed, figs)
+            else:
+                jobs.append((arm, seed))
+    free: queue.Queue = queue.Queue()
+    for d in devices:
+        free.put(d)
+
+    def run_one(arm: str, seed: int) -> None:
+        """One run, on a GPU no other run holds meanwhile."""
+        name, device = f"{arm}_s{seed}", free.get()
+        try:
+            if time.monotonic() - t0 > args.deadline_s:
+                print(f"ablation: deadline reached, {name} not started", flush=True)
+                return
+            cmd = [
+                sys.executable, "-m", "track_1_short.train", f"experiment={PRESET}", f"seed={seed}",
+                f"runs_root={root}", f"run_name={name}", "progress_bar=false",
+                *overrides[arm], *args.overrides,
+            ]  # fmt: skip
+            env = None if device is None else {**os.environ, "CUDA_VISIBLE_DEVICES": device}
+            where = "" if device is None else f" (GPU {device})"
+            print(f"ablation: {name}{where}: {' '.join(cmd[2:])}", flush=True)
+            try:
+                subprocess.run(cmd, cwd=REPO_ROOT, timeout=args.run_timeout_s, check=False, env=env)
+            except subprocess.TimeoutExpired:
+                print(f"ablation: {name} ran past {args.run_timeout_s:.0f} s and was stopped", flush=True)
+        finally:
+            free.put(device)
+
+    with ThreadPoolExecutor(max_workers=len(devices)) as pool:
+        futures = {pool.submit(run_one, arm, seed): (arm, seed) for arm, seed in jobs}
+        for done in as_completed(futures):
+            done.result()
+            arm, seed = futures[done]
+            record(arm, seed, run_figures(root / f"{arm}_s{seed}"))
     return 0 if all(results[a] for a in args.arms) else 1
 
 

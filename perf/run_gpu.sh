@@ -30,7 +30,8 @@
 #                                                       -> perf/results/scaling.json
 #         ablation        perf/ablation.py (the preset, then each of the record's components off in turn;
 #                         ABLATION_ARGS="--arms all ngram --seeds 0": a subset; 3 seeds of 5 arms by default,
-#                         over an hour on one H100)              -> perf/results/ablation.json
+#                         over an hour on one H100, two rounds of runs side by side on 8 GPUs)
+#                                                       -> perf/results/ablation.json
 #         results         perf/results.py               -> perf/RESULTS.md (from every JSON in perf/results/)
 # The image has torch, triton, numpy, scipy, matplotlib, tqdm and pytest, not hydra-core, omegaconf or
 # antlr4: their wheels travel in .whl/ and are installed into .site/; nothing else is installed.

@@ -142,3 +142,45 @@ def test_a_finished_run_is_read_not_run_again_and_the_rest_are_run(ablation, tmp
     assert ablation.main(["--arms", "ngram", *args[3:]]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert launched == ["ngram_s0"] and row["arm"] == "ngram" and row["d_tokens_per_s_pct"] is None
+
+
+def test_runs_go_side_by_side_one_per_gpu(ablation, tmp_path, monkeypatch):
+    """--gpus 2: every run is pinned to one of the two GPUs, never two runs on one GPU at a time, and both
+    GPUs are busy at once; the rows are the same as run one after another."""
+    import threading
+    import time as _time
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    lock, active, seen = threading.Lock(), set(), []
+    most = {"n": 0}
+    real_run = ablation.subprocess.run
+
+    def fake_run(cmd, env=None, **kwargs):
+        if "track_1_short.train" not in cmd:
+            return real_run(cmd, env=env, **kwargs)
+        gpu = env["CUDA_VISIBLE_DEVICES"]
+        with lock:
+            assert gpu not in active, f"two runs on GPU {gpu} at once"
+            active.add(gpu)
+            most["n"] = max(most["n"], len(active))
+        _time.sleep(0.2)
+        name = next(a.split("=", 1)[1] for a in cmd if a.startswith("run_name="))
+        seed = int(name[-1])
+        _run_dir(runs, name, 1000.0 + 100 * ("ngram" in name) + seed, 3.0 + 0.01 * seed, 3.1)
+        with lock:
+            active.discard(gpu)
+            seen.append((name, gpu))
+
+    monkeypatch.setattr(ablation.subprocess, "run", fake_run)
+    out = tmp_path / "ablation.json"
+    args = ["--arms", "all", "ngram", "--seeds", "0", "1", "--runs-root", str(runs), "--out", str(out)]
+    assert ablation.main([*args, "--gpus", "2"]) == 0
+    assert sorted(n for n, _ in seen) == ["all_s0", "all_s1", "ngram_s0", "ngram_s1"]
+    assert {g for _, g in seen} == {"3", "5"} and most["n"] == 2
+    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["ngram"]["tokens_per_s"] == 1100.5 and rows["all"]["tokens_per_s"] == 1000.5
+    assert rows["all"]["seeds"] == [0, 1]
+    with pytest.raises(SystemExit, match="--gpus 3, but 2 GPU"):
+        ablation.main([*args, "--gpus", "3"])
