@@ -72,6 +72,36 @@ def test_train_events_time_the_pulls_and_the_updates_in_the_intervals_that_hold_
     assert update_rows == {3: pull_rows[0]}, (pull_rows, update_rows)
 
 
+def test_the_next_cycle_is_read_ahead_and_planned_at_the_update_step_before_the_guards_read(tmp_path):
+    """The host reads, hashes and plans the next cycle while the device still runs the update step's last
+    backward (before the guards' one host read), and its rows are pulled at that cycle's first step."""
+    cfg = short_cfg(str(tmp_path), *NG, *LONG_CYCLES)
+    with run_route(cfg):
+        t = build(cfg)
+        seen = {}
+        real = t.guards.grads_ok
+
+        def grads_ok(step, extra=None):
+            seen[step] = (sorted(t.ngram.queue), t.ngram._plan is not None, extra is not None)
+            return real(step, extra)
+
+        t.guards.grads_ok = grads_ok
+        for step in range(5):
+            t.train_step(step)
+            if step == 3:
+                planned = t.ngram._plan.want.clone()
+        # steps 0-2: the cycle's later steps queued, nothing planned; step 3 (its update): the next cycle's
+        # steps 4 and 5 (the run's end) read ahead and planned, the table's flag handed to the guards
+        assert seen == {
+            0: ([1, 2, 3], False, False),
+            1: ([2, 3], False, False),
+            2: ([3], False, False),
+            3: ([4, 5], True, True),
+            4: ([5], False, False),
+        }, seen
+        assert torch.equal(t.ngram.table.want, planned)  # step 4 pulled what step 3 planned
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("step, warmup", [(2, False), (4, False), (2, True)])
 def test_resume_is_bitwise_inside_and_at_the_end_of_a_cycle(uninterrupted, step, warmup, tmp_path):
@@ -112,6 +142,7 @@ def _cycle(rank: int, world: int, cfg: NgramConfig, nan_policy: str = "stop") ->
         rank=rank,
         world=world,
         device=torch.device("cpu"),
+        total_steps=2,
         model=SimpleNamespace(attach_ngram=lambda table: None),
     )
     return NgramCycle(fake)
@@ -202,9 +233,9 @@ def test_a_non_finite_row_gradient_stops_or_skips_the_step_through_the_guards(po
     weight.grad = torch.ones(3)
     guards = Guards(GuardConfig(nan_policy=policy), FaultInjectionConfig(), {"w": weight}, {}, [])
     before = cycle.table.shard.clone()
-    with pytest.raises(RuntimeError, match="row_gradient_check"):
+    with pytest.raises(RuntimeError, match="close_cycle"):
         cycle.after_step(1, 1.0, applied=True)  # an update step whose flag the guards never saw
-    flag = cycle.row_gradient_check(1)
+    flag = cycle.close_cycle(1)
     finite = math.isfinite(bad)
     if not finite and policy == "stop":
         with pytest.raises(NonFiniteGradError, match="'ngram_table' \\(on 1 of 1"):

@@ -1,10 +1,12 @@
 """The trainer's side of the n-gram table: optimizer cycles, validation pulls, warmup restore, checkpoints.
 
 A cycle is the run of steps up to and including one table update (optim/ngram_adam.py ``ngram_cadence``). At
-its first step the trainer's batches for every step of the cycle are read ahead (the loader's position after
-each step is kept), their rows are pulled once (model/ngram.py ``NgramTable.pull``), and the steps then take
-their batches from here. After each micro batch's backward its row gradient is folded into the cycle's per-row
-sums (fp32); at the update step they go back to their owners and the row-sparse Adam updates the rows.
+the previous cycle's update step, after its last backward (for the run's first cycle: at its first step), the
+trainer's batches for every step of the cycle are read ahead (the loader's position after each step is kept)
+and hashed, and the pull's unique rows are found; at the cycle's first step its rows are pulled once
+(model/ngram.py ``NgramTable.plan`` and ``fill``), and the steps then take their batches from here. After
+each micro batch's backward its row gradient is folded into the cycle's per-row sums (fp32); at the update
+step they go back to their owners and the row-sparse Adam updates the rows.
 
 Checkpoints: every rank writes its shard, its Adam rows and the cycle's gradient so far into a file of its
 own beside the main checkpoint (``step_NNNNNN.ngram-RRR-of-WWW.pt``, atomic like it), before rank 0 writes
@@ -31,7 +33,7 @@ from torch import Tensor
 
 from track_1_short import checkpoint, schedule
 from track_1_short.config import accumulation_steps
-from track_1_short.model.ngram import NgramTable, ngram_indices_of
+from track_1_short.model.ngram import NgramTable, PullPlan, ngram_indices_of
 from track_1_short.optim.ngram_adam import NgramAdam, ngram_cadence, row_mean_sq
 from track_1_short.optimizer_time import OptimizerTime
 
@@ -58,6 +60,7 @@ class NgramCycle:
         self.pull_rows = self.update_rows = 0
         self.skipped_updates: list[int] = []
         self._closing: tuple[Tensor, Tensor, Tensor] | None = None  # the update's (rows, grads, mean_sq)
+        self._plan: PullPlan | None = None  # the read-ahead cycle's pull, planned, not yet filled
         cuda = self.table.device.type == "cuda"
         self.index_stream = torch.cuda.Stream(self.table.device) if cuda else None
 
@@ -72,44 +75,51 @@ class NgramCycle:
         return s
 
     def batches(self, step: int) -> list:
-        """The micro batches of ``step``, each as (batch, its n-gram row ids and sign rows); at a cycle's
-        first step (or a step out of sequence: the warmup's), read the cycle's batches ahead, hash them all
-        at once and pull their rows.
-
-        On CUDA the read-ahead, the hashing and the pull's index half (torch.unique and its read to the host)
-        run on a stream of their own: that read then waits for the hashing only, while the previous step's
-        optimizer and table update still run on the main stream, and the host goes on to the pull's data
-        half and the first forward meanwhile (on one stream it drained the queue, and the device idled
-        while the host read, hashed and launched)."""
+        """The micro batches of ``step``, each as (batch, its n-gram row ids and sign rows). At a cycle's
+        first step the cycle's rows are pulled: its batches were read ahead and its pull planned at the
+        previous cycle's update step (:meth:`close_cycle`), or are now (the run's first cycle, a resume, or a
+        step out of sequence: the warmup's)."""
         if step not in self.queue:
-            self.queue.clear()
-            self.loader_after.clear()
-            if self.table.per_slot is not None:  # a jump (warmup): the unfinished cycle is abandoned
-                self.table.reset_cache()
-            steps = range(step, self.cycle_end(step) + 1)
-            # a carried gradient (after a resume) was made on the main stream: plan beside it, on it
-            side = self.index_stream if self.table.carry is None else None
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                read = self._read_ahead(steps)
-                cycle = [b for s in steps for b in read[s]]
-                given = [(b.inputs, b.cu_seqlens) for b in cycle]
-                ids = iter(ngram_indices_of(given, self.ncfg, self.cfg.model.cross_document_lookback))
-                self.queue = {s: [(b, next(ids)) for b in read[s]] for s in steps}
-                plan = self.table.plan([rows for s in steps for _, (rows, _) in self.queue[s]])
-            if side is not None:
-                main = torch.cuda.current_stream(self.table.device)
-                main.wait_stream(side)
-                # made on the side stream, read on the main one: their memory is not reused before then
-                for s in steps:
-                    for b, (rows, signs) in self.queue[s]:
-                        for t in (*b, rows, signs):
-                            t.record_stream(main)
-                plan.want.record_stream(main)
+            self._read_cycle(step)
+        if self._plan is not None:
+            plan, self._plan = self._plan, None
             self.pull_time.start()
             self.table.fill(plan)
             self.pull_time.stop()
             self.pull_rows += self.table.want.numel()
         return self.queue.pop(step)
+
+    def _read_cycle(self, first: int) -> None:
+        """Read the batches of the cycle that starts at ``first`` ahead, hash them all at once and plan their
+        pull (NgramTable.plan: the unique rows, read to the host); :meth:`batches` fills the cache.
+
+        On CUDA this runs on a stream of its own: the plan's read to the host then waits for this hashing
+        only, not for the step queued on the main stream, so the host reads, hashes and plans while the
+        device runs the step (on one stream the read drained the queue, and the device idled meanwhile)."""
+        if self.table.per_slot is not None:  # a jump (warmup): the unfinished cycle is abandoned
+            self.table.reset_cache()
+        # the position after the step before this cycle stays: a checkpoint there names it
+        kept = {first - 1: self.loader_after[first - 1]} if first - 1 in self.loader_after else {}
+        self.loader_after = kept
+        steps = range(first, self.cycle_end(first) + 1)
+        # a carried gradient (after a resume) was made on the main stream: plan beside it, on it
+        side = self.index_stream if self.table.carry is None else None
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            read = self._read_ahead(steps)
+            cycle = [b for s in steps for b in read[s]]
+            given = [(b.inputs, b.cu_seqlens) for b in cycle]
+            ids = iter(ngram_indices_of(given, self.ncfg, self.cfg.model.cross_document_lookback))
+            self.queue = {s: [(b, next(ids)) for b in read[s]] for s in steps}
+            self._plan = self.table.plan([rows for s in steps for _, (rows, _) in self.queue[s]])
+        if side is not None:
+            main = torch.cuda.current_stream(self.table.device)
+            main.wait_stream(side)
+            # made on the side stream, read on the main one: their memory is not reused before then
+            for s in steps:
+                for b, (rows, signs) in self.queue[s]:
+                    for t in (*b, rows, signs):
+                        t.record_stream(main)
+            self._plan.want.record_stream(main)
 
     def _read_ahead(self, steps: range) -> dict[int, list]:
         """The batches of ``steps`` from the trainer's loader (its position after each kept)."""
@@ -127,15 +137,16 @@ class NgramCycle:
         batch's sink (2T x dim) is alive at a time, not a whole step's."""
         self.table.fold_sinks()
 
-    def row_gradient_check(self, step: int) -> Tensor | None:
+    def close_cycle(self, step: int) -> Tensor | None:
         """Collective. At an update step, after its last backward and before the guards: end the cycle (its
-        row gradients summed on their owners) and return their non-finite flag [1] (1.0: NaN or inf), for
-        the guards to read with the step's own check (guards.Guards.grads_ok's ``extra``); None at other
-        steps.
+        row gradients summed on their owners), read the next cycle ahead and plan its pull, and return the
+        row gradients' non-finite flag [1] (1.0: NaN or inf) for the guards to read with the step's own
+        check (guards.Guards.grads_ok's ``extra``); None at other steps.
 
         The table is sharded, so the replica checksum cannot cover it: this flag is what guards it. Read in
         the guards' one host read of the step, it costs no sync of its own (a read here drained the step's
-        optimizer, and the device idled while the host read the next cycle ahead)."""
+        optimizer, and the device idled while the host read the next cycle ahead). The next cycle is read
+        here because the host is ahead of the device here: it runs the step's last backward meanwhile."""
         if not self.opt.due(step):
             return None
         self.update_time.start()
@@ -146,6 +157,8 @@ class NgramCycle:
         mean_sq = row_mean_sq(grads)
         self.update_time.stop()
         self._closing = (rows, grads, mean_sq)
+        if step + 1 < self.trainer.total_steps and self.table.carry is None:
+            self._read_cycle(step + 1)
         return (~torch.isfinite(mean_sq).all()).float().reshape(1)
 
     def after_step(self, step: int, lr_multiplier: float, applied: bool) -> None:
@@ -157,7 +170,7 @@ class NgramCycle:
         if closing is None:
             if self.opt.due(step):
                 raise RuntimeError(
-                    f"NgramCycle.after_step: step {step} updates the table, but row_gradient_check() was not "
+                    f"NgramCycle.after_step: step {step} updates the table, but close_cycle() was not "
                     "called after its backward (the guards read its flag)."
                 )
             self.table.fold_sinks()
@@ -246,6 +259,7 @@ class NgramCycle:
     def restore(self, snap: dict) -> None:
         self.queue.clear()
         self.loader_after.clear()
+        self._plan = None
         self.table.reset_cache()
         if snap.get("fresh"):
             self.table.zero_()
@@ -343,5 +357,6 @@ class NgramCycle:
             )
         self.queue.clear()
         self.loader_after.clear()
+        self._plan = None
         self.table.reset_cache()
         self.load_states([checkpoint.load_side_file(f) for f in files])

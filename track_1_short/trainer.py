@@ -381,8 +381,9 @@ class Trainer:
             if marks is not None:
                 marks("backward")
             loss_sum += loss.detach().float()
-        # the table's cycle ends at its update step: its row gradients' flag joins the guards' one read
-        flag = self.ngram.row_gradient_check(step) if self.ngram is not None else None
+        # the table's cycle ends at its update step (the next one is read ahead): its row gradients' flag
+        # joins the guards' one read
+        flag = self.ngram.close_cycle(step) if self.ngram is not None else None
         extra = {"ngram_table": flag} if flag is not None else None
         applied = self.guards.grads_ok(step, extra)  # NaN/inf gradient: stop, or skip the step on every rank
         if applied:
