@@ -1,5 +1,6 @@
 """The n-gram table in the trainer on CUDA: compiled (the lookup is a graph break), it learns, compiles only
-in the warmup, and stays near the eager run; the Triton row update runs where the reference did."""
+in the warmup, and stays near the eager run; the Triton row update, fold and embedding run where the
+references did."""
 
 from __future__ import annotations
 
@@ -27,7 +28,14 @@ NG = (
 def test_compiled_run_with_the_table_learns_compiles_in_warmup_and_stays_near_eager(tmp_path):
     common = ["device=cuda", "check_every=1", "log_every=1", "schedule.lr_floor=1.0", *NG]
     compiled = trainer.run(
-        short_cfg(str(tmp_path / "c"), *common, "compile=true", "model.ngram.adam_impl=triton")
+        short_cfg(
+            str(tmp_path / "c"),
+            *common,
+            "compile=true",
+            "model.ngram.adam_impl=triton",
+            "model.ngram.fold_impl=triton",
+            "model.ngram.embed_impl=triton",
+        )
     )
     eager = trainer.run(short_cfg(str(tmp_path / "e"), *common, "compile=false", "warmup=false"))
     lc, le = compiled.train_losses, eager.train_losses

@@ -21,6 +21,7 @@ from track_1_short import checkpoint, trainer
 from track_1_short.checkpoint import CheckpointError
 from track_1_short.guards import FaultInjectionConfig, GuardConfig, Guards, NonFiniteGradError
 from track_1_short.model.config import NgramConfig
+from track_1_short.model.ngram import ngram_embed
 from track_1_short.ngram_cycle import NgramCycle
 from track_1_short.optim.anvil import OptimConfig
 from track_1_short.run_log import read_events
@@ -226,9 +227,11 @@ def test_a_non_finite_row_gradient_stops_or_skips_the_step_through_the_guards(po
     cfg = NgramConfig(enabled=True, rows=64, dim=4)
     cycle = _cycle(0, 1, cfg)
     cycle.table.shard.fill_(1.0)
-    cycle.table.pull([torch.tensor([3, 5])])
-    rows = cycle.table.lookup(torch.tensor([3, 5]))
-    (rows.float() * torch.tensor([[1.0], [bad]])).sum().backward()
+    ids, pool = torch.tensor([3, 5, 0, 0]), torch.ones(1, 4, dtype=torch.bfloat16)
+    cycle.table.pull([ids])
+    # position 0 reads rows 3 and 0, position 1 rows 5 and 0
+    out = ngram_embed(cycle.table.lookup(ids), pool, torch.zeros(4, dtype=torch.int64))
+    (out.float() * torch.tensor([[1.0], [bad]])).sum().backward()
     weight = torch.nn.Parameter(torch.ones(3))
     weight.grad = torch.ones(3)
     guards = Guards(GuardConfig(nan_policy=policy), FaultInjectionConfig(), {"w": weight}, {}, [])
@@ -247,7 +250,7 @@ def test_a_non_finite_row_gradient_stops_or_skips_the_step_through_the_guards(po
     cycle.after_step(1, 1.0, applied)
     assert cycle.skipped_updates == ([] if finite else [1]) and cycle.opt.events == int(finite)
     moved = ~(cycle.table.shard == before).all(1)
-    assert moved.nonzero().flatten().tolist() == ([3, 5] if finite else [])
+    assert moved.nonzero().flatten().tolist() == ([0, 3, 5] if finite else [])
 
 
 def test_the_warmup_restores_one_ranks_state_of_a_sharded_table_in_place():

@@ -13,7 +13,13 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from tests.model.conftest import load_config, packed_batch
 from track_1_short.model.config import ModelConfigError, NgramConfig
 from track_1_short.model.gpt import GPT
-from track_1_short.model.ngram import NgramTable, ngram_embedding, ngram_indices, ngram_indices_of
+from track_1_short.model.ngram import (
+    NgramTable,
+    ngram_embed,
+    ngram_embedding,
+    ngram_indices,
+    ngram_indices_of,
+)
 
 # Upstream ngram_table.py @ f380c1f0, written out here so that a changed default fails a test.
 UPSTREAM = dict(
@@ -167,7 +173,7 @@ def test_embedding_and_row_gradients_equal_a_dense_table(dtype):
     for rows, signs in indices:
         # integer upstream gradients: every sum below is exact whatever its order, so bits can be compared
         weight = torch.randint(-3, 4, (50, 8)).to(dtype)
-        out = ngram_embedding(table.lookup(rows), pool, signs)
+        out = ngram_embed(table.lookup(rows), pool, signs)
         ref = _dense_reference(dense, rows, signs, pool)
         assert torch.equal(out, ref)
         (out.float() * weight.float()).sum().backward()

@@ -15,7 +15,7 @@ import torch
 from tests.distributed_harness import run_ranks
 from track_1_short import distributed
 from track_1_short.model.config import NgramConfig
-from track_1_short.model.ngram import NgramTable, ngram_embedding
+from track_1_short.model.ngram import NgramTable, ngram_embed
 from track_1_short.optim.anvil import OptimConfig
 from track_1_short.optim.ngram_adam import NgramAdam
 
@@ -91,7 +91,7 @@ def _train(
         pulled = distributed.wire_bytes_sent - before
         for ids, signs, weights in micro:
             ids, signs, weights = ids.to(device), signs.to(device), weights.to(device)
-            out = ngram_embedding(table.lookup(ids), pool, signs)
+            out = ngram_embed(table.lookup(ids), pool, signs)
             outputs.append(out.detach().cpu())
             (out.float() * weights).sum().backward()
         before = distributed.wire_bytes_sent

@@ -147,6 +147,10 @@ class NgramConfig:
     model/ngram.py) or "triton" (a sorted segment sum, one program a row, no atomics:
     track_1_short/perf/kernels/ngram_fold.py; CUDA, or a CPU under TRITON_INTERPRET=1). The CPU reference's
     bits; on CUDA the reference's atomics add in no fixed order."""
+    embed_impl: str = "reference"
+    """The embedding read from the cycle's cache, forward and backward: "reference" (torch ops: gathers,
+    products and a sum) or "triton" (one kernel each way: track_1_short/perf/kernels/ngram_embed.py; CUDA,
+    or a CPU under TRITON_INTERPRET=1). The same bits; either runs as one custom op (model/ngram.py)."""
 
     def validate(self, model_dim: int, num_layers: int) -> None:
         def fail(msg: str) -> None:
@@ -177,10 +181,9 @@ class NgramConfig:
             fail(f"lr_mul={self.lr_mul} and wd_mul={self.wd_mul} must be >= 0.")
         if not 0.0 <= self.beta2 < 1.0:
             fail(f"beta2={self.beta2} must lie in [0, 1).")
-        if self.adam_impl not in KERNEL_IMPLS:
-            fail(f"adam_impl={self.adam_impl!r} must be one of {list(KERNEL_IMPLS)}.")
-        if self.fold_impl not in KERNEL_IMPLS:
-            fail(f"fold_impl={self.fold_impl!r} must be one of {list(KERNEL_IMPLS)}.")
+        for name in ("adam_impl", "fold_impl", "embed_impl"):
+            if getattr(self, name) not in KERNEL_IMPLS:
+                fail(f"{name}={getattr(self, name)!r} must be one of {list(KERNEL_IMPLS)}.")
 
 
 KERNEL_IMPLS = ("reference", "triton")  # a switch between torch ops and one Triton kernel

@@ -82,7 +82,7 @@ from track_1_short.model.layers import (
     softcapped_cross_entropy_sum,
     yarn_rescale_,
 )
-from track_1_short.model.ngram import NgramTable, new_sign_pool, ngram_embedding, ngram_indices
+from track_1_short.model.ngram import NgramRows, NgramTable, new_sign_pool, ngram_embed, ngram_indices
 from track_1_short.model.prefix_targets import prefix_table
 from track_1_short.model.sampled_softmax import CandidateSets
 
@@ -272,10 +272,10 @@ class GPT(nn.Module):
         start = lookback_starts(document_starts(cu_seqlens, t), self.cfg.cross_document_lookback)
         return ngram_indices(inputs, start, self.cfg.ngram)
 
-    def ngram_rows(self, rows: Tensor, signs: Tensor) -> tuple[Tensor, Tensor]:
-        """(cached rows [2T, ngram.dim], sign rows [2T]) of a batch's :meth:`ngram_indices`, for
-        :meth:`forward`'s ``ngram``: the cache lookup (a search and data-dependent checks a compiler cannot
-        trace) runs here, outside a compiled forward, and the gradient still lands on the table's sink."""
+    def ngram_rows(self, rows: Tensor, signs: Tensor) -> tuple[NgramRows, Tensor]:
+        """(the looked-up rows, sign rows [2T]) of a batch's :meth:`ngram_indices`, for :meth:`forward`'s
+        ``ngram``: the cache lookup (a search and data-dependent checks a compiler cannot trace) runs here,
+        outside a compiled forward, and the gradient still lands on the table's sink."""
         return self._attached_table().lookup(rows, check=self.cfg.check_inputs), signs
 
     def _attached_table(self) -> NgramTable:
@@ -292,7 +292,7 @@ class GPT(nn.Module):
         path of a forward given no ``ngram``: validation, tests; a graph break if compiled)."""
         rows, signs = ngram_indices(tokens, doc_start, self.cfg.ngram)
         looked_up = self._attached_table().lookup(rows, check=self.cfg.check_inputs)
-        return ngram_embedding(looked_up, self.ngram_sign_pool, signs)
+        return ngram_embed(looked_up, self.ngram_sign_pool, signs, self.cfg.ngram.embed_impl)
 
     # -- host-side state --
 
@@ -454,7 +454,7 @@ class GPT(nn.Module):
         mtp_weights: list[float] | Tensor | None = None,
         prefix_weight: float | Tensor | None = None,
         candidates: Tensor | None = None,
-        ngram: tuple[Tensor, Tensor] | None = None,
+        ngram: tuple[NgramRows, Tensor] | None = None,
     ) -> Tensor:
         """Summed multi-token softcapped CE over the T tokens (fp32 0-D); mtp_weights None = [1.0] (plain CE).
 
@@ -566,7 +566,7 @@ class GPT(nn.Module):
         return coefs, deltas
 
     def hidden(
-        self, inputs: Tensor, cu_seqlens: Tensor, windows, ngram: tuple[Tensor, Tensor] | None = None
+        self, inputs: Tensor, cu_seqlens: Tensor, windows, ngram: tuple[NgramRows, Tensor] | None = None
     ) -> Tensor:
         """The final normed hidden states [T, D] (compute dtype) of one packed batch; ``ngram`` as
         :meth:`forward`'s."""
@@ -606,8 +606,8 @@ class GPT(nn.Module):
         if cfg.ngram.enabled:
             if ngram is None:
                 x_ng = self._ngram(tokens, doc_start).to(cd)
-            else:  # gather, sign multiply and sum: plain tensor ops the compiler fuses into the forward
-                x_ng = ngram_embedding(ngram[0], self.ngram_sign_pool, ngram[1]).to(cd)
+            else:  # one custom op: materialised once, its gathers never recomputed in its consumers
+                x_ng = ngram_embed(ngram[0], self.ngram_sign_pool, ngram[1], cfg.ngram.embed_impl).to(cd)
             if 0 in lanes["ngram"]:  # layer 0's injection comes before the loop: it is part of cache[0]
                 x = _add_ngram(x, x_ng, lanes["ngram"][0])
 

@@ -17,10 +17,10 @@ Sharding: rank r owns rows [r * per_rank, (r + 1) * per_rank), per_rank = ceil(r
 shard's rows past ``rows`` are padding, never read (every hash lands below ``rows``). The table changes only
 at its optimizer's updates, so a cycle's rows (the steps up to and including one update) are pulled once:
 counts, then row ids, then the owners' rows, each one all-to-all through ``distributed``; the rows a rank owns
-are copied locally and never go on the wire. The forward reads the batch's [2T, dim] rows from the cache into
-a fresh tensor made a leaf (the sink), so the gradient lands on it. At the update the sinks' gradients are
-summed per cached row (fp32), sent back to the owners along the pull's routes, and summed per row in rank
-order.
+are copied locally and never go on the wire. The forward reads the batch's rows from the cache through a
+custom op (:func:`ngram_embed`) whose gradient lands on a [2T, dim] leaf it never reads (the sink). At the
+update the sinks' gradients are summed per cached row (fp32), sent back to the owners along the pull's
+routes, and summed per row in rank order.
 """
 
 from __future__ import annotations
@@ -114,6 +114,75 @@ def ngram_embedding(rows: Tensor, sign_pool: Tensor, signs: Tensor) -> Tensor:
     t = rows.shape[0] // 2
     signed = rows * sign_pool[signs].to(rows.dtype)
     return signed[:t] + signed[t:]
+
+
+def ngram_embedding_grad(grad: Tensor, sign_pool: Tensor, signs: Tensor) -> Tensor:
+    """The gradient [2T, dim] of :func:`ngram_embedding`'s rows from its output's [T, dim]: each channel's
+    rows get the output's gradient times their sign rows (exact)."""
+    return torch.cat([grad, grad]) * sign_pool[signs].to(grad.dtype)
+
+
+class NgramRows(NamedTuple):
+    """A batch's rows as the forward reads them (:meth:`NgramTable.lookup`): the cycle's cache, each
+    position's slot in it [2T] (bigram positions, then trigram), and the sink [2T, dim], a leaf that is never
+    read and catches the rows' gradient (None outside a training cycle)."""
+
+    cache: Tensor
+    slots: Tensor
+    sink: Tensor | None
+
+
+@torch.library.custom_op("track_1_short::ngram_embed", mutates_args=())
+def _embed_op(
+    cache: Tensor, slots: Tensor, sign_pool: Tensor, signs: Tensor, sink: Tensor | None, impl: str
+) -> Tensor:
+    if impl == "triton":
+        # imported here: the kernel module's interpreter choice is fixed when it is imported
+        from track_1_short.perf.kernels.ngram_embed import embed_forward
+
+        return embed_forward(cache, slots, sign_pool, signs)
+    return ngram_embedding(cache[slots], sign_pool, signs)
+
+
+@_embed_op.register_fake
+def _embed_fake(cache, slots, sign_pool, signs, sink, impl):
+    return cache.new_empty((slots.shape[0] // 2, cache.shape[1]))
+
+
+@torch.library.custom_op("track_1_short::ngram_embed_grad", mutates_args=())
+def _embed_grad_op(grad: Tensor, sign_pool: Tensor, signs: Tensor, impl: str) -> Tensor:
+    if impl == "triton":
+        from track_1_short.perf.kernels.ngram_embed import embed_backward
+
+        return embed_backward(grad, sign_pool, signs)
+    return ngram_embedding_grad(grad, sign_pool, signs)
+
+
+@_embed_grad_op.register_fake
+def _embed_grad_fake(grad, sign_pool, signs, impl):
+    return grad.new_empty((2 * grad.shape[0], grad.shape[1]))
+
+
+def _embed_setup(ctx, inputs, output) -> None:
+    _, _, sign_pool, signs, _, impl = inputs
+    ctx.save_for_backward(sign_pool, signs)
+    ctx.impl = impl
+
+
+def _embed_backward(ctx, grad):
+    sign_pool, signs = ctx.saved_tensors
+    return None, None, None, None, _embed_grad_op(grad.contiguous(), sign_pool, signs, ctx.impl), None
+
+
+_embed_op.register_autograd(_embed_backward, setup_context=_embed_setup)
+
+
+def ngram_embed(rows: NgramRows, sign_pool: Tensor, signs: Tensor, impl: str = "reference") -> Tensor:
+    """The embedding [T, dim] (the cache's dtype) of a batch's looked-up rows, its gradient on ``rows.sink``:
+    :func:`ngram_embedding` of the gathered rows, as one custom op each way whose gathers the compiler cannot
+    recompute in every consumer of the embedding; ``impl`` (model.ngram.embed_impl): "reference" (torch ops)
+    or "triton" (perf/kernels/ngram_embed.py: one kernel each way, the same bits)."""
+    return _embed_op(rows.cache, rows.slots, sign_pool, signs, rows.sink, impl)
 
 
 class PullPlan(NamedTuple):
@@ -231,6 +300,8 @@ class NgramTable:
         # gathered straight into the cache: no table-rows-sized temporary and copy (at world size 1 every
         # row is local, so this is the whole cache)
         torch.index_select(self.shard, 0, want[lo:hi] - self.first_row, out=cache[lo:hi])
+        # a cycle's cache has its own row count: one compiled forward reads every cycle's (no recompile)
+        torch._dynamo.mark_dynamic(cache, 0)
         self.want, self.cache = want, cache
         self._routes = (lo, hi, send_counts, recv_counts, asked)
         if self._stash is None:  # a training cycle: its gradient starts here, or from the carried sums
@@ -240,9 +311,10 @@ class NgramTable:
 
     # -- the forward --
 
-    def lookup(self, row_ids: Tensor, check: bool = True) -> Tensor:
-        """The rows [2T, dim] of ``row_ids`` from the cache; in a training cycle under autograd, a leaf (the
-        sink) that catches their gradient (folded into the cycle's sums by :meth:`fold_sinks`)."""
+    def lookup(self, row_ids: Tensor, check: bool = True) -> NgramRows:
+        """The rows of ``row_ids`` [2T] as :func:`ngram_embed` reads them: the cache and their slots in it; in
+        a training cycle under autograd, with a sink that catches their gradient (folded into the cycle's
+        sums by :meth:`fold_sinks`)."""
         if self.want is None:
             raise RuntimeError(
                 "NgramTable.lookup: no rows were pulled; call pull() with this cycle's row ids first."
@@ -256,13 +328,12 @@ class NgramTable:
                     "NgramTable.lookup: the batch reads rows this cycle's pull did not fetch; pull every "
                     "batch of the cycle (and each validation batch) before its forward."
                 )
-        rows = self.cache[slots]
+        sink = None
         if torch.is_grad_enabled() and self.per_slot is not None:
-            # The gathered rows are a fresh tensor: as a leaf they catch their own gradient (a zeros leaf
-            # added to them would cost a [2T, dim] fill and add per forward for the same gradient).
-            rows.requires_grad_()
-            self.sinks.append((slots, rows))
-        return rows
+            # never read, so never filled: only its gradient is (the op's backward writes it whole)
+            sink = self.cache.new_empty((row_ids.numel(), self.cfg.dim)).requires_grad_()
+            self.sinks.append((slots, sink))
+        return NgramRows(self.cache, slots, sink)
 
     # -- the cycle's gradient --
 
