@@ -21,6 +21,27 @@ def compile_outside_the_interpreter(script: str, timeout: float = 300) -> subpro
     )
 
 
+def assert_kernels_compile(module: str, kernels: dict[str, dict[str, str]], consts: dict, num_warps: int = 4):
+    """Compile each kernel of ``module`` (kernel name -> its runtime signature) for sm_90 with the constexprs
+    ``consts``, in a fresh Python outside the interpreter, and assert that every one produced a cubin."""
+    script = f"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import {module} as k
+
+consts = {consts!r}
+for name, sig in {kernels!r}.items():
+    sig = {{**sig, **dict.fromkeys(consts, "constexpr")}}
+    src = ASTSource(fn=getattr(k, name), signature=sig, constexprs=consts)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": {num_warps}}})
+    assert compiled.asm["cubin"], name
+print("compiled", len({kernels!r}))
+"""
+    proc = compile_outside_the_interpreter(script)
+    assert proc.returncode == 0 and f"compiled {len(kernels)}" in proc.stdout, proc.stderr[-3000:]
+
+
 def assert_pipelined(compiled, stages: int, *what) -> None:
     """Assert that a kernel compiled for sm_90 software-pipelines its operand loads: cp.async copies into
     shared memory, at least two a stage beyond the first (``what`` names the variant in the message)."""

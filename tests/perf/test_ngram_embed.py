@@ -1,15 +1,13 @@
-"""perf/kernels/ngram_embed.py: the n-gram embedding read from the cache and its rows' gradient, one kernel each
-way, against the torch-op reference bit for bit (under the interpreter on the CPU; ``gpu`` on CUDA), alone
-and as the model's custom op (autograd, the sink's gradient, and compiled)."""
+"""perf/kernels/ngram_embed.py: the n-gram embedding read from the cache and its rows' gradient, one kernel
+each way, against the torch-op reference bit for bit (under the interpreter on the CPU; ``gpu`` on CUDA),
+alone and as the model's custom op (autograd, the sink's gradient, and compiled)."""
 
 from __future__ import annotations
-
-import textwrap
 
 import pytest
 import torch
 
-from tests.perf.compile_sm90 import compile_outside_the_interpreter
+from tests.perf.compile_sm90 import assert_kernels_compile
 from track_1_short.model.ngram import NgramRows, ngram_embed, ngram_embedding, ngram_embedding_grad
 from track_1_short.perf.kernels.ngram_embed import embed_backward, embed_forward
 
@@ -94,28 +92,14 @@ def test_the_kernels_refuse_a_table_not_in_bf16():
         embed_backward(grad.float(), pool, signs)
 
 
-_COMPILE_FOR_H100 = textwrap.dedent(
-    """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from track_1_short.perf.kernels import ngram_embed as k
-
-    consts = {"D": 768, "BLOCK_T": k.BLOCK_T, "BLOCK_D": 1024, "AS_BITS": False}
-    fwd = {"out_ptr": "*bf16", "cache_ptr": "*bf16", "slots_ptr": "*i64", "pool_ptr": "*bf16",
-           "signs_ptr": "*i64", "T": "i32"}
-    bwd = {"out_ptr": "*bf16", "grad_ptr": "*bf16", "pool_ptr": "*bf16", "signs_ptr": "*i64", "T": "i32"}
-    for fn, sig in ((k._embed_forward_kernel, fwd), (k._embed_backward_kernel, bwd)):
-        sig = {**sig, **dict.fromkeys(consts, "constexpr")}
-        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        assert compiled.asm["cubin"]
-    print("compiled 2 kernels")
-    """
-)
-
-
 def test_the_kernels_compile_for_the_h100_on_this_machine():
     # The interpreter accepts code Triton's compiler refuses: the GPU variants compiled here, with no GPU.
-    proc = compile_outside_the_interpreter(_COMPILE_FOR_H100)
-    assert proc.returncode == 0 and "compiled 2 kernels" in proc.stdout, proc.stderr[-3000:]
+    from track_1_short.perf.kernels.ngram_embed import BLOCK_T
+
+    common = {"pool_ptr": "*bf16", "signs_ptr": "*i64", "T": "i32"}
+    kernels = {
+        "_embed_forward_kernel": {"out_ptr": "*bf16", "cache_ptr": "*bf16", "slots_ptr": "*i64", **common},
+        "_embed_backward_kernel": {"out_ptr": "*bf16", "grad_ptr": "*bf16", **common},
+    }
+    consts = {"D": 768, "BLOCK_T": BLOCK_T, "BLOCK_D": 1024, "AS_BITS": False}
+    assert_kernels_compile("track_1_short.perf.kernels.ngram_embed", kernels, consts)

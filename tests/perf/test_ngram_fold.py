@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
 
-from tests.perf.compile_sm90 import compile_outside_the_interpreter
+from tests.perf.compile_sm90 import assert_kernels_compile
 from track_1_short.perf.kernels.ngram_fold import fold_rows_
 
 
@@ -57,29 +55,12 @@ def test_the_fold_takes_an_fp32_table_and_refuses_other_dtypes():
         fold_rows_(torch.zeros(2, 4), torch.tensor([0]), torch.zeros(1, 4, dtype=torch.float16))
 
 
-_COMPILE_FOR_H100 = textwrap.dedent(
-    """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from track_1_short.perf.kernels.ngram_fold import _fold_runs_kernel
-
-    sig = {"sums_ptr": "*fp32", "grad_ptr": "*bf16", "sorted_ptr": "*i64", "order_ptr": "*i64", "n": "i32"}
-    consts = {"D": 768, "BLOCK": 1024, "CHUNK": 8, "AS_BITS": False}
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    src = ASTSource(fn=_fold_runs_kernel, signature=sig, constexprs=consts)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert compiled.asm["cubin"]
-    print("compiled")
-    """
-)
-
-
 def test_the_kernel_compiles_for_the_h100_on_this_machine():
     # The interpreter accepts code Triton's compiler refuses (its data-dependent loop, here): compiled with
     # no GPU.
-    proc = compile_outside_the_interpreter(_COMPILE_FOR_H100)
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    sig = {"sums_ptr": "*fp32", "grad_ptr": "*bf16", "sorted_ptr": "*i64", "order_ptr": "*i64", "n": "i32"}
+    consts = {"D": 768, "BLOCK": 1024, "CHUNK": 8, "AS_BITS": False}
+    assert_kernels_compile("track_1_short.perf.kernels.ngram_fold", {"_fold_runs_kernel": sig}, consts)
 
 
 def test_a_tables_cycle_gradient_is_the_same_with_either_fold():

@@ -44,9 +44,24 @@ def _store_bf16(ptrs, x, mask, AS_BITS: tl.constexpr):
 
 
 @triton.jit
+def _tile(T, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    # this program's positions and columns, and their masks
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_D)
+    t_mask = t < T
+    return t, cols, t_mask, t_mask[:, None] & (cols < D)[None, :]
+
+
+@triton.jit
+def _rows(base_ptr, index, cols, D: tl.constexpr):
+    # pointers to the rows ``index`` of a [*, D] tensor (int64 offsets: a cache exceeds 2**31 elements)
+    return base_ptr + index[:, None].to(tl.int64) * D + cols[None, :]
+
+
+@triton.jit
 def _signed_rows(pool_ptr, signs_ptr, at, t_mask, cols, mask, D: tl.constexpr, AS_BITS: tl.constexpr):
-    sign = tl.load(signs_ptr + at, mask=t_mask, other=0).to(tl.int64)
-    return load_bf16(pool_ptr + sign[:, None] * D + cols[None, :], mask, AS_BITS).to(tl.float32)
+    sign = tl.load(signs_ptr + at, mask=t_mask, other=0)
+    return load_bf16(_rows(pool_ptr, sign, cols, D), mask, AS_BITS).to(tl.float32)
 
 
 @triton.jit
@@ -62,17 +77,14 @@ def _embed_forward_kernel(
     BLOCK_D: tl.constexpr,
     AS_BITS: tl.constexpr,
 ):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_D)
-    t_mask = t < T
-    mask = t_mask[:, None] & (cols < D)[None, :]
+    t, cols, t_mask, mask = _tile(T, D, BLOCK_T, BLOCK_D)
     total = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
     for channel in tl.static_range(2):  # bigram rows at [0, T), trigram rows at [T, 2T)
         at = channel * T + t
-        slot = tl.load(slots_ptr + at, mask=t_mask, other=0).to(tl.int64)
-        row = load_bf16(cache_ptr + slot[:, None] * D + cols[None, :], mask, AS_BITS).to(tl.float32)
+        slot = tl.load(slots_ptr + at, mask=t_mask, other=0)
+        row = load_bf16(_rows(cache_ptr, slot, cols, D), mask, AS_BITS).to(tl.float32)
         total += row * _signed_rows(pool_ptr, signs_ptr, at, t_mask, cols, mask, D, AS_BITS)
-    _store_bf16(out_ptr + t[:, None].to(tl.int64) * D + cols[None, :], total, mask, AS_BITS)
+    _store_bf16(_rows(out_ptr, t, cols, D), total, mask, AS_BITS)
 
 
 @triton.jit
@@ -87,15 +99,12 @@ def _embed_backward_kernel(
     BLOCK_D: tl.constexpr,
     AS_BITS: tl.constexpr,
 ):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_D)
-    t_mask = t < T
-    mask = t_mask[:, None] & (cols < D)[None, :]
-    g = load_bf16(grad_ptr + t[:, None].to(tl.int64) * D + cols[None, :], mask, AS_BITS).to(tl.float32)
+    t, cols, t_mask, mask = _tile(T, D, BLOCK_T, BLOCK_D)
+    g = load_bf16(_rows(grad_ptr, t, cols, D), mask, AS_BITS).to(tl.float32)
     for channel in tl.static_range(2):
         at = channel * T + t
         sign = _signed_rows(pool_ptr, signs_ptr, at, t_mask, cols, mask, D, AS_BITS)
-        _store_bf16(out_ptr + at[:, None].to(tl.int64) * D + cols[None, :], g * sign, mask, AS_BITS)
+        _store_bf16(_rows(out_ptr, at, cols, D), g * sign, mask, AS_BITS)
 
 
 # once, at import (interpreter.runs_interpreted says why)
@@ -133,7 +142,9 @@ def _launch(kernel, out, args, t: int, d: int, as_bits: bool) -> torch.Tensor:
     return out
 
 
-def embed_forward(cache: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+def embed_forward(
+    cache: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, signs: torch.Tensor
+) -> torch.Tensor:
     """[T, dim]: cache[slots[t]] * pool[signs[t]] + cache[slots[T + t]] * pool[signs[T + t]], rounded once."""
     as_bits = _checked("ngram_embed.embed_forward", cache, pool)
     t, d = slots.numel() // 2, cache.shape[1]
