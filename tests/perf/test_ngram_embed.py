@@ -72,8 +72,9 @@ def test_compiled_the_op_is_one_graph_with_the_eager_bits(impl):
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(lambda r, p, s: ngram_embed(r, p, s, impl) * 2, backend=counter, fullgraph=True)
-    eager = run(lambda r, p, s: ngram_embed(r, p, s, impl) * 2, cache)
+    fn = lambda r, p, s: ngram_embed(r, p, s, impl) * 2  # noqa: E731
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=False)  # as the trainer compiles
+    eager = run(fn, cache)
     # every cycle's cache has its own row count, marked dynamic (NgramTable.fill): one graph for all
     first, bigger = cache.clone(), torch.cat([cache, cache[:7]])
     for c in (first, bigger):
