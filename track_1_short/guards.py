@@ -7,13 +7,13 @@ Two silent failures this module turns into errors that name the parameter:
    and before ``opt.step``: one ``_foreach_norm`` (L1) over every local gradient gives one number per label;
    a sum propagates NaN and inf on every backend (a max need not), so a non-finite norm means a non-finite
    gradient (or one beyond 1e38 in sum, broken as well). The flags of every rank are summed by one small
-   all_reduce, so every rank takes the same decision from one host read per step (the
-   n-gram table's row-gradient flag, ngram_cycle.py, rides along). ``guards.nan_policy``:
-   "stop" raises :class:`NonFiniteGradError` naming the step, the labels and how many ranks saw them; "skip"
-   drops every gradient of the step on every rank and leaves parameters and optimizer state as they were
-   (on an Adam step this also drops the Adam gradients accumulated since the last Adam step: they are summed
-   in ``.grad`` and cannot be told apart); "off" leaves the check out (the loss read-back still stops a run
-   whose loss is non-finite).
+   all_reduce, so every rank takes the same decision from one host read per step (the n-gram table's
+   row-gradient flag, ngram_cycle.py, rides along). ``guards.nan_policy``: "stop" raises
+   :class:`NonFiniteGradError` naming the step, the labels and how many ranks saw them; "skip" drops every
+   gradient of the step on every rank and leaves parameters and optimizer state as they were (on an Adam
+   step this also drops the Adam gradients accumulated since the last Adam step: they are summed in ``.grad``
+   and cannot be told apart); "off" leaves the check out (the loss read-back still stops a run whose loss is
+   non-finite).
 2. Replicas that differ. Replicated parameters are updated on every rank from the same reduced gradients,
    so they and their Adam moments must stay bitwise equal; a rank that drifts (a bad reduction, a bit flip,
    a kernel that is not deterministic) trains a different model silently. Every ``guards.checksum_every``
