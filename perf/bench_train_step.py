@@ -244,9 +244,12 @@ def measure_stage(
     accum = accumulation_steps(plan.batch_tokens, trainer.world, cfg.micro_batch_tokens)
     tokens = plan.batch_tokens // trainer.world  # one rank's tokens per step
 
-    seen: list[torch.Tensor] = []  # the boundaries of every timed batch, read after the timing (no sync)
+    # The boundaries of every batch read, read after the timing (no sync). Batches are read in step order,
+    # though not always within their step (the n-gram table reads a cycle's batches ahead, at the previous
+    # cycle's last step), so the timed steps' batches are found by position.
+    seen: list[torch.Tensor] = []
     next_batch = trainer.loader.next_batch
-    recording_next_batch = recording_boundaries(next_batch, seen)
+    trainer.loader.next_batch = recording_boundaries(next_batch, seen)
 
     def run_step(step: int, timer: Timer | None) -> torch.Tensor:
         if timer is None:
@@ -255,28 +258,29 @@ def measure_stage(
         loss = trainer.train_step(step, marks=timer.mark)
         return loss
 
-    t0 = time.perf_counter()
-    loss = run_step(first, None)  # compiles on the first call of a new geometry
-    if not math.isfinite(loss.item()):
-        raise RuntimeError(f"stage {stage}: the first step's loss is {loss.item()}; the model is broken.")
-    first_step_s = time.perf_counter() - t0
-    for step in range(first + 1, first + warmup):
-        run_step(step, None)
-    timed_first = first + warmup
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    resident = torch.cuda.memory_allocated() if cuda else None
-    trainer.loader.next_batch = recording_next_batch
-    gc_state = freeze_gc() if cfg.gc_freeze else None  # as the trainer's timed loop runs (gc_freeze)
-    wall0 = time.perf_counter()
     try:
-        with Timer(device) as timer:
-            for step in range(timed_first, timed_first + steps):
-                loss = run_step(step, timer)
-            timer.mark("start")
+        t0 = time.perf_counter()
+        loss = run_step(first, None)  # compiles on the first call of a new geometry
+        if not math.isfinite(loss.item()):
+            raise RuntimeError(f"stage {stage}: the first step's loss is {loss.item()}; the model is broken.")
+        first_step_s = time.perf_counter() - t0
+        for step in range(first + 1, first + warmup):
+            run_step(step, None)
+        timed_first = first + warmup
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        resident = torch.cuda.memory_allocated() if cuda else None
+        gc_state = freeze_gc() if cfg.gc_freeze else None  # as the trainer's timed loop runs (gc_freeze)
+        wall0 = time.perf_counter()
+        try:
+            with Timer(device) as timer:
+                for step in range(timed_first, timed_first + steps):
+                    loss = run_step(step, timer)
+                timer.mark("start")
+        finally:
+            restore_gc(gc_state)
     finally:
-        restore_gc(gc_state)
         trainer.loader.next_batch = next_batch
     wall_ms = (time.perf_counter() - wall0) * 1e3  # the Timer synchronised on exit
     peak = torch.cuda.max_memory_allocated() if cuda else None
@@ -285,7 +289,9 @@ def measure_stage(
 
     phases = step_times(timer.labels, timer.elapsed_ms(), steps)
     adam = [schedule.do_adam(s, adam_every) for s in range(timed_first, timed_first + steps)]
-    timed_batches = joined_boundaries(seen)
+    if len(seen) < (warmup + steps) * accum:
+        raise RuntimeError(f"stage {stage}: {len(seen)} batches read for {warmup + steps} steps of {accum}.")
+    timed_batches = joined_boundaries(seen[warmup * accum : (warmup + steps) * accum])
     fpt = batch_flops_per_token(flops_per_token, cfg.model, timed_batches, plan.windows)
     # At length 1 a query sees only itself: what is left is the FLOPs outside attention (to 1e-4).
     attention_pct = 100 * (1 - float(flops_per_token(cfg.model, 1, list(plan.windows))) / fpt)

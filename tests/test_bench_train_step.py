@@ -269,3 +269,36 @@ def test_a_device_broken_by_a_failing_arm_still_leaves_the_rows_measured_before(
     saved = json.loads(out.read_text())
     assert [r["arm"] for r in saved["rows"]] == ["baseline", "boom"]
     assert saved["matmul_tflops_probes"][0] == saved["matmul_tflops_probes"][1]  # the first, twice
+
+
+def test_the_timed_batches_are_the_timed_steps_own_though_the_table_reads_them_ahead(tmp_path):
+    """With the n-gram table a cycle's batches are read at the previous cycle's last step, so a step may use
+    batches read before its timing began: the figures still count exactly the timed steps' documents."""
+    from omegaconf import OmegaConf
+
+    from track_1_short import distributed
+    from track_1_short.config import to_object
+    from track_1_short.trainer import Trainer
+
+    cfg = bench.compose(["experiment=smoke_record"], "cpu", str(tmp_path))
+    tcfg = to_object(cfg)
+    assert tcfg.model.ngram.enabled
+    trainer = Trainer(tcfg, OmegaConf.to_container(cfg, resolve=True), distributed.init("cpu"))
+    used: dict[int, list] = {}
+    real = trainer.ngram.batches
+
+    def batches(step):
+        got = real(step)
+        used[step] = [b.cu_seqlens for b, _ in got]
+        return got
+
+    trainer.ngram.batches = batches
+    try:
+        row = bench.measure_stage(trainer, 0, warmup=2, steps=2, matmul_rate=1.0, profile=False)
+        trainer.train_step(4)  # the step after the timed ones, for the check below
+    finally:
+        trainer.loader.close()
+        trainer.log.close()
+    docs = [sum(len(cu) - 1 for cu in used[s]) for s in range(5)]
+    assert docs[2] + docs[3] != docs[3] + docs[4]  # a batch off by a step would show
+    assert row["docs_per_step"] == (docs[2] + docs[3]) / 2
