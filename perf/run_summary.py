@@ -13,8 +13,10 @@ see track_1_short/optimizer_time.py), as a share of the train time; ``ngram_pull
 ``ngram_update_pct`` the same for the n-gram table's pulls and row updates (``ngram_pull_ms``,
 ``ngram_update_ms``, track_1_short/ngram_cycle.py; ``ngram_pull_ms_per_step`` and
 ``ngram_update_ms_per_step`` beside their floors: the rows they moved, ``ngram_pull_rows`` and
-``ngram_update_rows``, at NGRAM_BYTES_PER_ROW_DIM bytes per row and table channel over --hbm-gbps), and
-``tail_pct`` for tail averaging's accumulators (``tail_ms``); None for a run logged without them.
+``ngram_update_rows``, at NGRAM_BYTES_PER_ROW_DIM bytes per row and table channel over --hbm-gbps),
+``ngram_fold_pct`` for the folds of the micro batches' row gradients into the cycle's sums
+(``ngram_fold_ms``), and ``tail_pct`` for tail averaging's accumulators (``tail_ms``); None for a run
+logged without them.
 ``tail_ship_s`` is the ship's time (on the clock, after the last step).
 The run's phases (data, build, warmup), graph counts, peak memory, the loss curve and the final val loss
 against the corpus floor go into the header and notes.
@@ -44,6 +46,7 @@ TIMED_PARTS = {
     "optimizer_ms": "optimizer_pct",
     "ngram_pull_ms": "ngram_pull_pct",
     "ngram_update_ms": "ngram_update_pct",
+    "ngram_fold_ms": "ngram_fold_pct",
     "tail_ms": "tail_pct",
 }
 

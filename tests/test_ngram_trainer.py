@@ -56,15 +56,16 @@ def uninterrupted(tmp_path_factory):
     }
 
 
-def test_train_events_time_the_pulls_and_the_updates_in_the_intervals_that_hold_them(uninterrupted):
+def test_train_events_time_the_pulls_updates_and_folds_in_the_intervals_that_hold_them(uninterrupted):
     # Every train event covers one step here (check_every 1 on the CPU). Cycles of 4 steps: pulls at steps 0
-    # and 4 (read ahead at the cycle's first step), the update at step 3 (the next would be at 7: the run's
-    # 6 steps end inside that cycle).
+    # and 4 (each cycle's first step fills its cache; step 4's was read ahead at step 3), the update at step
+    # 3 (the next would be at 7: the run's 6 steps end inside that cycle), folds after every backward.
     train = {e["step"]: e for e in uninterrupted["events"] if e["event"] == "train"}
     assert sorted(train) == [1, 2, 3, 4, 5, 6]
     pulled = {s - 1 for s, e in train.items() if e["ngram_pull_ms"] > 0}
     updated = {s - 1 for s, e in train.items() if e["ngram_update_ms"] > 0}
-    assert pulled == {0, 4} and updated == {3}, (pulled, updated)
+    folded = {s - 1 for s, e in train.items() if e["ngram_fold_ms"] > 0}
+    assert pulled == {0, 4} and updated == {3} and folded == set(range(6)), (pulled, updated, folded)
     # The rows they moved: the update at step 3 moves exactly the rows the cycle's pull at step 0 fetched
     # (world size 1), the pull at step 4 the rows its cycle's cache still holds; other intervals none.
     pull_rows = {s - 1: e["ngram_pull_rows"] for s, e in train.items() if e["ngram_pull_rows"]}

@@ -77,6 +77,7 @@ def test_the_runs_own_summary_supplies_the_reference_lines(tmp_path):
         ("optimizer_ms", "optimizer_pct"),
         ("ngram_pull_ms", "ngram_pull_pct"),
         ("ngram_update_ms", "ngram_update_pct"),
+        ("ngram_fold_ms", "ngram_fold_pct"),
         ("tail_ms", "tail_pct"),
     ],
 )

@@ -55,6 +55,9 @@ class NgramCycle:
         # CUDA, read at log steps only): the train events' ngram_pull_ms and ngram_update_ms.
         self.pull_time = OptimizerTime(trainer.device)
         self.update_time = OptimizerTime(trainer.device)
+        # The folds of the micro batches' row gradients into the cycle's sums (ngram_fold_ms): the table's
+        # cost after each backward, which neither bracket above holds.
+        self.fold_time = OptimizerTime(trainer.device)
         # The rows they moved (host counts: a pull's size is known on the host once its ids are unique), so
         # that a report can set each against the bytes it had to move (perf/run_summary.py).
         self.pull_rows = self.update_rows = 0
@@ -135,7 +138,9 @@ class NgramCycle:
     def after_backward(self) -> None:
         """Fold a micro batch's row gradient into the cycle's sums as soon as it exists, so that one micro
         batch's sink (2T x dim) is alive at a time, not a whole step's."""
+        self.fold_time.start()
         self.table.fold_sinks()
+        self.fold_time.stop()
 
     def close_cycle(self, step: int) -> Tensor | None:
         """Collective. At an update step, after its last backward and before the guards: end the cycle (its
@@ -195,11 +200,12 @@ class NgramCycle:
         self.update_rows += rows.numel()
 
     def take_ms(self) -> dict[str, float]:
-        """The pulls' and the updates' time (ms) and rows since the last call, for a train event; after a
-        sync."""
+        """The pulls', the updates' and the folds' time (ms), and the rows pulled and updated, since the last
+        call, for a train event; after a sync."""
         out = {
             "ngram_pull_ms": self.pull_time.take_ms(),
             "ngram_update_ms": self.update_time.take_ms(),
+            "ngram_fold_ms": self.fold_time.take_ms(),
             "ngram_pull_rows": self.pull_rows,
             "ngram_update_rows": self.update_rows,
         }
@@ -207,9 +213,10 @@ class NgramCycle:
         return out
 
     def reset_times(self) -> None:
-        """Forget the warmup's pulls and updates: they are not the timed loop's."""
+        """Forget the warmup's pulls, updates and folds: they are not the timed loop's."""
         self.pull_time.reset()
         self.update_time.reset()
+        self.fold_time.reset()
         self.pull_rows = self.update_rows = 0
 
     # -- validation --
