@@ -369,8 +369,8 @@ class Trainer:
             if p:
                 offset = self._sweep_offset(step, m, accum, p)
                 extra["candidates"] = self.model.candidate_sets.build(b.targets, p, offset)
-            # The n-gram rows are looked up here and enter as tensors: the compiled forward traces their
-            # embedding, with no graph break on the lookup (the table-off graph count).
+            # The n-gram rows are looked up here and enter as tensors: the compiled forward calls their
+            # embedding's custom op, with no graph break on the lookup (the table-off graph count).
             ngram = {"ngram": self.model.ngram_rows(*ngram_ids)} if self.ngram is not None else {}
             loss = self.forward(b.inputs, b.targets, cu, windows, mtp, **extra, **ngram)
             if marks is not None:

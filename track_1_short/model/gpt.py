@@ -465,8 +465,8 @@ class GPT(nn.Module):
         caller's ``follow_windows``, which the input checks verify), mtp_weights: weight of predicting t+1,
         t+2, ... (a list, or an fp32 [K] tensor on the model's device: a compiled model then takes new
         weights without a new graph), ngram: the batch's n-gram rows and sign rows as :meth:`ngram_rows` reads
-        them outside the forward (a compiled model then traces the n-gram embedding instead of breaking its
-        graph on the lookup), or None to read them here.
+        them outside the forward (a compiled model then calls the n-gram embedding's custom op instead of
+        breaking its graph on the lookup), or None to read them here.
 
         Training forwards only (an evaluation forward ignores them): prefix_weight, the prefix-token target's
         weight (a float, or an fp32 tensor on the model's device: no new graph when it changes; needs
