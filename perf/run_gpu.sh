@@ -186,7 +186,7 @@ preset() {  # the one-GPU record preset through the trainer, then its figures (p
 # the arm's first compiled step), and the references of the bank update and of the replicated Adam step; FP8
 # (off in the presets) with its one-pass quantise and with the torch-op reference of it; the n-gram table's
 # sorted fold, its one-kernel embedding, and the table off (what the table costs, kernel by kernel and idle
-# stretch by idle stretch).
+# stretch by idle stretch); the ReLU^2 MLP with its activation in the GEMM epilogues.
 default_levers='bank_graphs=optim.bank_graphs=true
 bank_eager=optim.bank_update=eager
 replicated_reference=optim.replicated_impl=reference
@@ -194,7 +194,8 @@ fp8=model.fp8.mlp=true model.fp8.qkv=true model.fp8.lm_head=true
 fp8_quantize_reference=model.fp8.mlp=true model.fp8.qkv=true model.fp8.lm_head=true model.fp8.quantize_impl=reference
 ngram_fold=model.ngram.fold_impl=triton
 ngram_embed=model.ngram.embed_impl=triton
-ngram_off=model.ngram.enabled=false'
+ngram_off=model.ngram.enabled=false
+mlp=model.mlp_impl=triton'
 
 levers() {
   local arms=() line

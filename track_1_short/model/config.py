@@ -350,6 +350,12 @@ class ModelConfig:
     """Rows of the [rows, vocab] logit block the loss builds at a time: memory and speed, and the weight
     gradient's rounding (one chunk: one GEMM, rounded once; several: each chunk's product rounded to the
     compute dtype, summed in fp32). The record presets use one chunk per micro batch."""
+    mlp_impl: str = "reference"
+    """The bf16 ReLU^2 MLP (training without model.fp8.mlp, and every evaluation forward): "reference" (torch
+    ops, model/layers.py relu2_mlp: Inductor runs the activation and its gradient as kernels of their own) or
+    "triton" (the activation in the up-projection GEMM's epilogue, both ways: model/mlp.py and
+    track_1_short/perf/kernels/relu2_mlp.py; CUDA, or a CPU under TRITON_INTERPRET=1; bf16, model_dim and
+    mlp_hidden multiples of 8)."""
     loss_impl: str = "auto"
     """The training loss between its GEMMs: "auto" (the fused Triton kernel on CUDA, the reference path
     elsewhere), "reference" (eager torch ops) or "fused" (on a CPU only under TRITON_INTERPRET=1)."""
@@ -414,6 +420,16 @@ class ModelConfig:
             fail(f"compute_dtype={self.compute_dtype!r} must be one of {sorted(COMPUTE_DTYPES)}.")
         if self.attention_impl not in ATTENTION_IMPLS:
             fail(f"attention_impl={self.attention_impl!r} must be one of {list(ATTENTION_IMPLS)}.")
+        if self.mlp_impl not in KERNEL_IMPLS:
+            fail(f"mlp_impl={self.mlp_impl!r} must be one of {list(KERNEL_IMPLS)}.")
+        if self.mlp_impl == "triton" and (
+            self.compute_dtype != "bfloat16" or self.model_dim % 8 or self.mlp_hidden % 8
+        ):
+            fail(
+                f"mlp_impl='triton' runs bf16 GEMMs on rows of 16-byte multiples, but compute_dtype="
+                f"{self.compute_dtype!r}, model_dim={self.model_dim}, mlp_hidden={self.mlp_hidden}; use "
+                "mlp_impl=reference, or bfloat16 with both sizes multiples of 8."
+            )
         if self.loss_impl not in LOSS_IMPLS:
             fail(f"loss_impl={self.loss_impl!r} must be one of {list(LOSS_IMPLS)}.")
         if self.fp8.quantize_impl not in KERNEL_IMPLS:

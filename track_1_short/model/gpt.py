@@ -82,6 +82,7 @@ from track_1_short.model.layers import (
     softcapped_cross_entropy_sum,
     yarn_rescale_,
 )
+from track_1_short.model.mlp import fused_relu2_mlp
 from track_1_short.model.ngram import NgramRows, NgramTable, new_sign_pool, ngram_embed, ngram_indices
 from track_1_short.model.prefix_targets import prefix_table
 from track_1_short.model.sampled_softmax import CandidateSets
@@ -622,6 +623,8 @@ class GPT(nn.Module):
         def mlp_out(inp: Tensor, slot: int) -> Tensor:
             if fp8_mlp is not None:
                 return fp8_mlp.mlp_forward(inp, slot, mlp[slot][0], mlp[slot][1])
+            if cfg.mlp_impl == "triton":
+                return fused_relu2_mlp(inp, mlp[slot][0], mlp[slot][1])
             return relu2_mlp(inp, mlp[slot][0], mlp[slot][1])
 
         mlp_in = x
