@@ -46,9 +46,14 @@ def run_stages(tmp_path, stages: str, *overrides: str):
     return trainer.run(cfg)
 
 
-def test_compiled_steps_lower_the_loss_from_the_first_step_and_match_eager(tmp_path):
+@pytest.mark.parametrize("mlp_impl", ["reference", "triton"])
+def test_compiled_steps_lower_the_loss_from_the_first_step_and_match_eager(tmp_path, mlp_impl):
+    # the compiled run's MLPs as torch ops (Inductor's fusions) or as the fused-epilogue kernels' custom ops;
+    # the eager run is the reference either way
     common = ["device=cuda", "warmup=false", "check_every=1", "log_every=1", "schedule.lr_floor=1.0"]
-    compiled = trainer.run(short_cfg(str(tmp_path / "c"), *common, "compile=true"))
+    compiled = trainer.run(
+        short_cfg(str(tmp_path / "c"), *common, "compile=true", f"model.mlp_impl={mlp_impl}")
+    )
     eager = trainer.run(short_cfg(str(tmp_path / "e"), *common, "compile=false"))
     lc, le = compiled.train_losses, eager.train_losses
     assert len(lc) == len(le) == 8
