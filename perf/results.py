@@ -41,6 +41,7 @@ SECTIONS = {
     "bench_optimizer": "Optimizer step",
     "bench_cascade_products": "Cascade products",
     "bench_loss": "Training loss",
+    "bench_mlp": "MLP",
     "bench_final_val": "Final validation",
     "bench_attention": "Attention kernel",
     "bench_replicated_adam": "Replicated Adam",

@@ -18,6 +18,8 @@
 #                         (TRAIN_STEP_ARGS="optim.bank_update=triton" TRAIN_STEP_NAME=train_step_triton_bank:
 #                         Hydra overrides, and the JSON's name, for a before/after pair)
 #         loss            perf/bench_loss.py                -> perf/results/loss.json
+#         mlp             perf/bench_mlp.py (the ReLU^2 MLP per model.mlp_impl, and its epilogue GEMMs alone
+#                         against cuBLAS's)                  -> perf/results/mlp.json
 #         final_val       perf/bench_final_val.py (the canonical mask's load and its validation pass)
 #                                                       -> perf/results/final_val.json
 #         attention       perf/bench_attention.py (FlexAttention against flash-attn-4 where its wheels are in
@@ -46,7 +48,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-all_stages=(preset tests replicated_adam optimizer cascade_products train_step loss final_val attention levers
+all_stages=(preset tests replicated_adam optimizer cascade_products train_step loss mlp final_val attention levers
   scaling ablation results)
 stages=("$@")
 [[ ${#stages[@]} -gt 0 ]] || stages=("${all_stages[@]}")
