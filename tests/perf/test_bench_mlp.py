@@ -11,12 +11,26 @@ from tests.perf_scripts import load_perf_script
 bench_mlp = load_perf_script("bench_mlp")
 
 
-def test_bench_mlp_writes_a_row_per_impl_and_pass_compared_with_the_reference(tmp_path):
+def test_bench_mlp_writes_a_row_per_impl_and_pass_compared_with_the_reference(tmp_path, monkeypatch):
+    from track_1_short.perf.kernels import relu2_mlp as kernels
+
+    calls = {"relu2_up": 0, "relu2_up_grad": 0}
+
+    def counting(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+
+        return wrapper
+
+    for name in calls:
+        monkeypatch.setattr(kernels, name, counting(name, getattr(kernels, name)))
     out = tmp_path / "mlp.json"
     argv = ["--out", str(out), "--device", "cpu", "--tokens", "150", "--dim", "72", "--hidden", "264"]
     assert bench_mlp.main([*argv, "--warmup", "0", "--steps", "1"]) == 0
     payload = json.loads(out.read_text())
     check_bench_payload(payload, str(out))
+    assert calls["relu2_up"] >= 4 and calls["relu2_up_grad"] >= 2  # the triton rows ran the kernels
     rows = {(r["impl"], r["pass"]): r for r in payload["rows"]}
     passes = ["train", "forward", "up", "up_grad"]
     assert list(rows) == [(impl, p) for impl in ("reference", "triton") for p in passes]
