@@ -186,14 +186,16 @@ preset() {  # the one-GPU record preset through the trainer, then its figures (p
 
 # The opt-in fast paths, one arm each, measured against the defaults at stage 2 (about 50 s an arm, most of it
 # the arm's first compiled step), and the references of the bank update and of the replicated Adam step; FP8
-# (off in the presets) with its one-pass quantise and with the torch-op reference of it; the n-gram table's
-# sorted fold, its one-kernel embedding, and the table off (what the table costs, kernel by kernel and idle
-# stretch by idle stretch); the ReLU^2 MLP with its activation in the GEMM epilogues.
+# (off in the presets) with its one-pass quantise, with the torch-op reference of it, and with the MLP's
+# quantises in its GEMMs' epilogues; the n-gram table's sorted fold, its one-kernel embedding, and the table
+# off (what the table costs, kernel by kernel and idle stretch by idle stretch); the bf16 ReLU^2 MLP with its
+# activation in the GEMM epilogues.
 default_levers='bank_graphs=optim.bank_graphs=true
 bank_eager=optim.bank_update=eager
 replicated_reference=optim.replicated_impl=reference
 fp8=model.fp8.mlp=true model.fp8.qkv=true model.fp8.lm_head=true
 fp8_quantize_reference=model.fp8.mlp=true model.fp8.qkv=true model.fp8.lm_head=true model.fp8.quantize_impl=reference
+fp8_fused_mlp=model.fp8.mlp=true model.fp8.qkv=true model.fp8.lm_head=true model.fp8.mlp_impl=triton
 ngram_fold=model.ngram.fold_impl=triton
 ngram_embed=model.ngram.embed_impl=triton
 ngram_off=model.ngram.enabled=false

@@ -187,6 +187,7 @@ class NgramConfig:
 
 
 KERNEL_IMPLS = ("reference", "triton")  # a switch between torch ops and one Triton kernel
+FP8_MLP_IMPLS = ("scaled_mm", "triton")  # the FP8 MLP's up-projection GEMMs (FP8Config.mlp_impl)
 
 
 def saved_model_config(saved: dict) -> dict:
@@ -215,6 +216,12 @@ class FP8Config:
     both layouts with the clip count and amax, track_1_short/perf/kernels/fp8_quantize.py) or "reference"
     (torch ops, which Inductor fuses into several passes; model/fp8.py). The same bits. The CPU's emulation
     always takes the reference."""
+    mlp_impl: str = "scaled_mm"
+    """The FP8 MLP's up-projection GEMMs and the operands they feed: "scaled_mm" (``torch._scaled_mm``
+    writes pre, then the quantise of relu(pre)^2; likewise dpost, then the quantise of dpre) or "triton"
+    (one Triton GEMM each way, quantising in its epilogue: track_1_short/perf/kernels/fp8_relu2_mlp.py;
+    CUDA, or a CPU under TRITON_INTERPRET=1; micro batches a multiple of 16 tokens). The same bits where
+    the GEMMs' sums agree."""
     clip_report_fraction: float = 1e-3
     """At log steps, every FP8 operand whose scale saturated more than this fraction of its elements since
     the last log step is reported in the run log."""
@@ -434,6 +441,8 @@ class ModelConfig:
             fail(f"loss_impl={self.loss_impl!r} must be one of {list(LOSS_IMPLS)}.")
         if self.fp8.quantize_impl not in KERNEL_IMPLS:
             fail(f"fp8.quantize_impl={self.fp8.quantize_impl!r} must be one of {list(KERNEL_IMPLS)}.")
+        if self.fp8.mlp_impl not in FP8_MLP_IMPLS:
+            fail(f"fp8.mlp_impl={self.fp8.mlp_impl!r} must be one of {list(FP8_MLP_IMPLS)}.")
         if not 0 < self.fp8.clip_report_fraction <= 1:
             fail(f"fp8.clip_report_fraction={self.fp8.clip_report_fraction} must be in (0, 1].")
         if self.prefix_targets and self.vocab_size != 50257:

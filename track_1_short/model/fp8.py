@@ -38,7 +38,10 @@ qkv_rope.py at 55865738 / f380c1f0): the formats, the scales and the fast-accumu
 GEMM is a plain ``torch._scaled_mm``; each activation and gradient operand of the MLP and QKV is one Triton
 pass that writes it in both layouts with its clip count and amax (``model.fp8.quantize_impl=triton``,
 track_1_short/perf/kernels/fp8_quantize.py; :func:`quantize_both`'s torch ops are its reference).
-Upstream fuses the quantises into Triton GEMM epilogues.
+Upstream fuses the quantises into Triton GEMM epilogues; ``model.fp8.mlp_impl=triton`` does so for the MLP's
+up-projection GEMMs, forward and backward (track_1_short/perf/kernels/fp8_relu2_mlp.py: the GEMM, relu^2 or
+its gradient, and the quantise in both layouts in one kernel each way, the bits of fp8_mm then
+quantize_both where the GEMMs' sums agree).
 """
 
 from __future__ import annotations
@@ -162,6 +165,23 @@ def quantize_both(
     return q, _t(q)
 
 
+def fp8_relu2_up(*args) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward's up-projection GEMM with relu^2 and its e4m3 quantise in the epilogue (fp8.mlp_impl=
+    triton): (pre, post_q, post_qt), the bits of fp8_mm then quantize_both's RELU_SQUARE where the GEMM's
+    sums agree."""
+    # imported here: the kernel module's interpreter choice is fixed when it is imported
+    from track_1_short.perf.kernels.fp8_relu2_mlp import fp8_relu2_up as op
+
+    return op(*args)
+
+
+def fp8_relu2_up_grad(*args) -> tuple[Tensor, Tensor]:
+    """The backward's g W2^T GEMM with dpre and its e5m2 quantise in the epilogue: (dpre_q, dpre_qt)."""
+    from track_1_short.perf.kernels.fp8_relu2_mlp import fp8_relu2_up_grad as op
+
+    return op(*args)
+
+
 # -- the MLP ---------------------------------------------------------------------------------------------
 
 
@@ -193,19 +213,23 @@ class FP8ReLU2MLP(torch.autograd.Function):
         clips,
         emulate,
         quant_ref,
+        fused_up,
     ):
         dt = x.dtype
         xq, xqt = quantize_both(x, None, x_s, E4M3, clips, SITE["mlp.x"], IDENTITY, None, quant_ref)
-        pre = fp8_mm(xq, w1_row.t(), x_s, w1_s, dt, True, emulate)  # [T, hidden]
         site = SITE["mlp.post"]
-        pq, pqt = quantize_both(pre, None, post_s, E4M3, clips, site, RELU_SQUARE, post_amax, quant_ref)
+        if fused_up:  # the GEMM, relu^2 and the quantise in one kernel
+            pre, pq, pqt = fp8_relu2_up(xq, w1_row, x_s, w1_s, post_s, post_amax, clips, site, CLIP_AT[E4M3])
+        else:
+            pre = fp8_mm(xq, w1_row.t(), x_s, w1_s, dt, True, emulate)  # [T, hidden]
+            pq, pqt = quantize_both(pre, None, post_s, E4M3, clips, site, RELU_SQUARE, post_amax, quant_ref)
         out = fp8_mm(pq, w2_t.t(), post_s, w2_s, dt, True, emulate)  # [T, D]
         # Activations through save_for_backward (the transposed copies: the weight-gradient GEMMs' operands);
         # the persistent copies, scales and counters by name (the counters change between forward and
         # backward, which save_for_backward's version check forbids).
         ctx.save_for_backward(xqt, pre, pqt)
         ctx.state = (w1_t, w1_s, w2_row, w2_s, post_s, dpre_s, dpre_amax, x_s, g_s, clips)
-        ctx.emulate, ctx.quant_ref, ctx.wdtype = emulate, quant_ref, w1.dtype
+        ctx.emulate, ctx.quant_ref, ctx.wdtype, ctx.fused_up = emulate, quant_ref, w1.dtype, fused_up
         return out
 
     @staticmethod
@@ -215,16 +239,20 @@ class FP8ReLU2MLP(torch.autograd.Function):
         em, qr, wdt = ctx.emulate, ctx.quant_ref, ctx.wdtype
         gq, gqt = quantize_both(g, None, g_s, E5M2, clips, SITE["mlp.grad"], IDENTITY, None, qr)
         dw2 = fp8_mm(pqt, gqt.t(), post_s, g_s, wdt, False, em)  # post^T g: [hidden, D]
-        # g W2^T [T, hidden] in g's dtype: a [T, hidden] fp32 tensor would double this pass's traffic, and
-        # upstream's kernel rounds dpre to bf16 anyway
-        dpost = fp8_mm(gq, w2_row.t(), g_s, w2_s, g.dtype, False, em)
-        # dpre = 2 dpost relu(pre) in fp32, quantised with its amax taken
-        dq, dqt = quantize_both(
-            dpost, pre, dpre_s, E5M2, clips, SITE["mlp.dpre"], DRELU_SQUARE, dpre_amax, qr
-        )
+        site = SITE["mlp.dpre"]
+        if ctx.fused_up:
+            dq, dqt = fp8_relu2_up_grad(
+                gq, w2_row, g_s, w2_s, pre, dpre_s, dpre_amax, clips, site, CLIP_AT[E5M2]
+            )
+        else:
+            # g W2^T [T, hidden] in g's dtype: a [T, hidden] fp32 tensor would double this pass's traffic,
+            # and upstream's kernel rounds dpre to bf16 anyway
+            dpost = fp8_mm(gq, w2_row.t(), g_s, w2_s, g.dtype, False, em)
+            # dpre = 2 dpost relu(pre) in fp32, quantised with its amax taken
+            dq, dqt = quantize_both(dpost, pre, dpre_s, E5M2, clips, site, DRELU_SQUARE, dpre_amax, qr)
         dx = fp8_mm(dq, w1_t.t(), dpre_s, w1_s, g.dtype, False, em)  # dpre W1: [T, D]
         dw1 = fp8_mm(dqt, xqt.t(), dpre_s, x_s, wdt, False, em)  # dpre^T x: [hidden, D]
-        return (dx, dw1, dw2) + (None,) * 15
+        return (dx, dw1, dw2) + (None,) * 16
 
 
 # -- the QKV projection -------------------------------------------------------------------------------------
@@ -454,6 +482,7 @@ class FP8State:
             self._owner_clips("mlp", slot),
             self.emulate,
             self.quantize_reference,
+            self.cfg.mlp_impl == "triton",
         )
 
     def qkv_forward(self, layer: int):

@@ -52,6 +52,22 @@ def grid_constants(fmt: torch.dtype) -> dict:
 
 
 @triton.jit
+def on_fp8_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr, FMAX: tl.constexpr):
+    # y (fp32) saturated to +-FMAX and rounded to the FP8 format's grid (grid_constants), to nearest even: the
+    # cast to the format after it is exact. At c = 2^23 ulp, fp32's own spacing is the ulp, so (|y| + c) - c
+    # is |y| rounded to a multiple of it; below the smallest normal the ulp stays the subnormal step.
+    # (sign and magnitude by shifts: they keep uint32, where a literal 0x80000000 could widen the type)
+    y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31) << 31
+    mag = ((bits << 1) >> 1).to(tl.float32, bitcast=True)
+    e = tl.maximum(((bits << 1) >> 24).to(tl.int32) - 127, MIN_EXP)
+    c = ((e - MANT + 127 + 23) << 23).to(tl.float32, bitcast=True)
+    mag = (mag + c) - c
+    return (mag.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _quantize_both_kernel(
     a_ptr,
     b_ptr,
@@ -96,19 +112,7 @@ def _quantize_both_kernel(
     tl.atomic_add(clips_ptr + site, clipped)
     if (pm == 0) & (pn == 0):
         tl.atomic_add(clips_ptr + n_sites + site, M.to(tl.int64) * N)
-    y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-    # Round |y| to the format's grid: at c = 2^23 ulp, fp32's own spacing is the ulp, so (|y| + c) - c is
-    # |y| rounded to a multiple of it, to nearest even; below the smallest normal the ulp stays the
-    # subnormal step.
-    # (sign and magnitude by shifts: they keep uint32, where a literal 0x80000000 could widen the type)
-    bits = y.to(tl.uint32, bitcast=True)
-    sign = (bits >> 31) << 31
-    mag = ((bits << 1) >> 1).to(tl.float32, bitcast=True)
-    e = tl.maximum(((bits << 1) >> 24).to(tl.int32) - 127, MIN_EXP)
-    c = ((e - MANT + 127 + 23) << 23).to(tl.float32, bitcast=True)
-    mag = (mag + c) - c
-    y = (mag.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    q = y.to(q_ptr.dtype.element_ty)
+    q = on_fp8_grid(y, MANT, MIN_EXP, FMAX).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + offs, q, mask=mask)
     tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
 

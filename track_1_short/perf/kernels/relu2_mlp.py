@@ -49,7 +49,7 @@ INTERPRETED_PROGRAMS = 3
 
 
 @triton.jit
-def _rounded(x, AS_BITS: tl.constexpr):
+def rounded_bf16(x, AS_BITS: tl.constexpr):
     # fp32 -> the fp32 value of its bf16 rounding (nearest even); under the interpreter through the bits,
     # since it casts toward zero
     if AS_BITS:
@@ -60,7 +60,7 @@ def _rounded(x, AS_BITS: tl.constexpr):
 
 
 @triton.jit
-def _store(desc, offsets, x, AS_BITS: tl.constexpr):
+def store_bf16(desc, offsets, x, AS_BITS: tl.constexpr):
     # an fp32 tile, stored as bf16 (as int16 bits under the interpreter)
     if AS_BITS:
         desc.store(offsets, round_to_bf16_bits(x))
@@ -69,9 +69,9 @@ def _store(desc, offsets, x, AS_BITS: tl.constexpr):
 
 
 @triton.jit
-def _load(desc, offsets, AS_BITS: tl.constexpr):
-    # a bf16 tile as the GEMM reads it: bf16 on the GPU, its exact fp32 widening under the interpreter
-    # (which has no numpy bf16); products of bf16 are exact in fp32 either way
+def load_tile(desc, offsets, AS_BITS: tl.constexpr):
+    # a tile as the GEMM reads it: as stored (bf16, FP8), or with AS_BITS bf16 as int16 bits widened exactly
+    # to fp32 (the interpreter has no numpy bf16); products of bf16 are exact in fp32 either way
     if AS_BITS:
         tile = widen_bf16(desc.load(offsets))
     else:
@@ -85,16 +85,45 @@ def _epilogue(
 ):
     # one [BLOCK_M, BLOCK_N / 2] half of an output tile, its fp32 accumulator ``acc``
     if FORWARD:
-        pre = _rounded(acc, AS_BITS)
+        pre = rounded_bf16(acc, AS_BITS)
         if STORE_PRE:
-            _store(pre_desc, [m, n], pre, AS_BITS)
+            store_bf16(pre_desc, [m, n], pre, AS_BITS)
         r = tl.where(pre <= 0.0, 0.0, pre)  # relu; a NaN stays NaN
-        _store(out_desc, [m, n], r * r, AS_BITS)
+        store_bf16(out_desc, [m, n], r * r, AS_BITS)
     else:
-        dpost = _rounded(acc, AS_BITS)
-        pre = _load(pre_desc, [m, n], AS_BITS).to(tl.float32)
+        dpost = rounded_bf16(acc, AS_BITS)
+        pre = load_tile(pre_desc, [m, n], AS_BITS).to(tl.float32)
         # relu's gradient: 0 where relu(pre) <= 0 (a NaN pre passes its NaN on), times d(h^2)/dh = 2h
-        _store(out_desc, [m, n], tl.where(pre <= 0.0, 0.0, (dpost * 2.0) * pre), AS_BITS)
+        store_bf16(out_desc, [m, n], tl.where(pre <= 0.0, 0.0, (dpost * 2.0) * pre), AS_BITS)
+
+
+@triton.jit
+def gemm_tile(
+    a_desc,
+    b_desc,
+    m,
+    n,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    # the fp32 [BLOCK_M, BLOCK_N] tile at (m, n) of A @ B.T, A [M, K] and B [N, K] read by TMA (rows and K
+    # beyond the ends read as zeros); WIDEN: bf16 operands arrive as int16 bits (the interpreter)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = load_tile(a_desc, [m, k], WIDEN)
+        b = load_tile(b_desc, [n, k], WIDEN)
+        acc = tl.dot(a, b.T, acc)
+    return acc
+
+
+@triton.jit
+def split_halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # a [BLOCK_M, BLOCK_N] tile as its left and right [BLOCK_M, BLOCK_N / 2] halves (the epilogues run on
+    # halves to bound their registers)
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
 
 
 @triton.jit
@@ -122,12 +151,8 @@ def _relu2_gemm_kernel(
     for tile in tl.range(tl.program_id(0), tiles, NUM_PROGRAMS, flatten=True):
         m = (tile // tiles_n) * BLOCK_M
         n = (tile % tiles_n) * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            a = _load(a_desc, [m, k], AS_BITS)
-            b = _load(b_desc, [n, k], AS_BITS)
-            acc = tl.dot(a, b.T, acc)
-        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, half)), (0, 2, 1)))
+        acc = gemm_tile(a_desc, b_desc, m, n, K, BLOCK_M, BLOCK_N, BLOCK_K, AS_BITS)
+        acc0, acc1 = split_halves(acc, BLOCK_M, BLOCK_N)
         _epilogue(acc0, pre_desc, out_desc, m, n, FORWARD, STORE_PRE, AS_BITS)
         _epilogue(acc1, pre_desc, out_desc, m, n + half, FORWARD, STORE_PRE, AS_BITS)
 
@@ -162,9 +187,8 @@ def _launch(a, b, pre, out, forward: bool, store_pre: bool, as_bits: bool) -> No
     sms = (
         INTERPRETED_PROGRAMS if as_bits else torch.cuda.get_device_properties(a.device).multi_processor_count
     )
-    programs = min(tiles, sms)
     half = [BLOCK_M, BLOCK_N // 2]
-    _relu2_gemm_kernel[(programs,)](
+    _relu2_gemm_kernel[(min(tiles, sms),)](
         _desc(a, [BLOCK_M, BLOCK_K], as_bits),
         _desc(b, [BLOCK_N, BLOCK_K], as_bits),
         _desc(pre, half, as_bits),
@@ -172,7 +196,7 @@ def _launch(a, b, pre, out, forward: bool, store_pre: bool, as_bits: bool) -> No
         m,
         n,
         k,
-        NUM_PROGRAMS=programs,
+        NUM_PROGRAMS=sms,  # the stride: one compiled kernel for every shape
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
