@@ -1,13 +1,16 @@
-"""The ReLU^2 MLP at the record's micro-batch: ms per forward + backward for each ``model.mlp_impl``.
+"""The ReLU^2 MLP at the record's micro-batch: ms per forward + backward for each ``model.mlp_impl`` and
+``model.fp8.mlp_impl``.
 
     python perf/bench_mlp.py --out perf/results/mlp.json                                  # CUDA, the record's
-    python perf/bench_mlp.py --device cpu --tokens 300 --dim 136 --hidden 520 --out /tmp/mlp.json   # CPU
+    python perf/bench_mlp.py --device cpu --tokens 304 --dim 144 --hidden 528 --out /tmp/mlp.json   # CPU
 
 Times the model's MLP on x [T, D] and one bank slot's c_fc, c_proj [hidden, D] in bf16, compiled as the
 trainer compiles the model (``torch.compile``, dynamic=False; on the CPU eager, where the Triton kernels run
 interpreted): ``reference`` is model/layers.py relu2_mlp, whose activation and its gradient Inductor runs as
 pointwise kernels between cuBLAS GEMMs; ``triton`` is model/mlp.py's custom ops on
-track_1_short/perf/kernels/relu2_mlp.py. Rows, one per impl and pass:
+track_1_short/perf/kernels/relu2_mlp.py; ``fp8_scaled_mm`` and ``fp8_triton`` are model/fp8.py's FP8 MLP
+with ``model.fp8.mlp_impl`` set so (training only: their rows are ``train``; on the CPU emulated). Rows,
+one per impl and pass:
 
 - ``pass``: ``train`` (forward + backward, the trainer's micro batch), ``forward`` (the evaluation forward,
   no gradient), ``up`` (the up-projection alone: the epilogue GEMM against cuBLAS's ``x @ c_fc.T``) and
@@ -28,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from track_1_short.model.config import KERNEL_IMPLS
+from track_1_short.model.config import FP8Config
+from track_1_short.model.fp8 import FP8State
 from track_1_short.model.layers import relu2_mlp
 from track_1_short.model.mlp import fused_relu2_mlp
 
@@ -39,6 +43,8 @@ from bench_meta import bench_metadata, write_bench_json  # noqa: E402
 from bench_timing import matmul_tflops, time_ms  # noqa: E402
 
 MLP = {"reference": relu2_mlp, "triton": fused_relu2_mlp}
+FP8_IMPLS = {"fp8_scaled_mm": "scaled_mm", "fp8_triton": "triton"}  # -> model.fp8.mlp_impl
+IMPLS = [*MLP, *FP8_IMPLS]
 GEMM_FLOPS = {"train": 12, "forward": 4, "up": 2, "up_grad": 2}  # times T D hidden
 
 
@@ -66,7 +72,13 @@ def run(args) -> dict:
     tflops = matmul_tflops(device, 8192 if on_gpu else 512)
     timed = {}
     for impl in args.impls:
-        fn = torch.compile(MLP[impl], dynamic=False) if on_gpu else MLP[impl]
+        if impl in FP8_IMPLS:
+            st = FP8State(FP8Config(mlp=True, mlp_impl=FP8_IMPLS[impl]))
+            st.refresh(torch.stack((w1, w2))[None], None, None)
+            mlp = lambda x, w1, w2, st=st: st.mlp_forward(x, 0, w1, w2)  # noqa: E731
+        else:
+            mlp = MLP[impl]
+        fn = torch.compile(mlp, dynamic=False) if on_gpu else mlp
         leaves = [v.clone().requires_grad_() for v in (x, w1, w2)]
 
         def train(fn=fn, leaves=leaves):
@@ -78,7 +90,9 @@ def run(args) -> dict:
             with torch.no_grad():
                 fn(x, w1, w2)
 
-        passes = {"train": train, "forward": forward, **_up_passes(impl, x, w1, w2, grad)}
+        passes = {"train": train}
+        if impl in MLP:
+            passes.update(forward=forward, **_up_passes(impl, x, w1, w2, grad))
         for name, call in passes.items():
             timed[(impl, name)] = time_ms(call, device, args.steps, args.warmup)
         train()  # the gradients the rel diffs compare
@@ -89,6 +103,8 @@ def run(args) -> dict:
     rows = []
     for impl in args.impls:
         for name in GEMM_FLOPS:
+            if (impl, name) not in timed:
+                continue
             ms = timed[(impl, name)]
             row = {
                 "impl": impl,
@@ -121,7 +137,7 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=65536, help="rows T (the record preset's micro-batch)")
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--hidden", type=int, default=2816, help="model.mlp_hidden")
-    p.add_argument("--impls", nargs="+", default=list(KERNEL_IMPLS), choices=list(KERNEL_IMPLS))
+    p.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     return p.parse_args(argv)
