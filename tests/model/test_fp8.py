@@ -550,7 +550,8 @@ def test_scaled_mm_mlp_and_qkv_agree_with_their_emulation():
 
 
 @pytest.mark.gpu
-def test_the_compiled_fp8_model_trains_as_the_eager_one_on_cuda():
+@pytest.mark.parametrize("mlp_impl", ["scaled_mm", "triton"])
+def test_the_compiled_fp8_model_trains_as_the_eager_one_on_cuda(mlp_impl):
     _needs_fp8_gpu()
     from track_1_short.model.gpt import GPT
 
@@ -558,7 +559,7 @@ def test_the_compiled_fp8_model_trains_as_the_eager_one_on_cuda():
     results = {}
     for mode in ("bf16", "eager", "compiled"):
         torch.manual_seed(0)
-        fp8 = {"mlp": True, "qkv": True, "lm_head": True} if mode != "bf16" else {}
+        fp8 = {"mlp": True, "qkv": True, "lm_head": True, "mlp_impl": mlp_impl} if mode != "bf16" else {}
         m = GPT(load_config("tiny", vocab_size=1024, fp8=fp8), device="cuda")
         with torch.no_grad():
             m.mlp_bank[:, 1].normal_(0, 0.02)
