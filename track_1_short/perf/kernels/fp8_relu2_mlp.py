@@ -126,6 +126,9 @@ def _fp8_relu2_gemm_kernel(
     for tile in tl.range(tl.program_id(0), tiles, NUM_PROGRAMS, flatten=True):
         m = (tile // tiles_n) * BLOCK_M
         n = (tile % tiles_n) * BLOCK_N
+        # both ways with Triton's FP8 accumulation on sm_90 (the tensor cores' accumulator over all of K, as
+        # cuBLAS's use_fast_accum), as upstream's kernel: the gradient's exact-fp32 form (adds into a second
+        # accumulator each K step) spilled 396 bytes of registers in this tile
         acc = gemm_tile(a_desc, b_desc, m, n, K, BLOCK_M, BLOCK_N, BLOCK_K, False)
         acc0, acc1 = split_halves(acc * s, BLOCK_M, BLOCK_N)
         for j in tl.static_range(2):
