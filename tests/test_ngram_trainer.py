@@ -287,3 +287,18 @@ def test_a_model_config_saved_before_the_table_existed_compares_as_one_without_i
     assert saved_model_config(old) == current
     on = {**current, "ngram": {**current["ngram"], "enabled": True}}
     assert saved_model_config(on) == on  # a saved table config is compared as it is
+
+
+def test_a_model_config_saved_before_a_switch_existed_compares_as_one_with_its_default():
+    from omegaconf import OmegaConf
+
+    from track_1_short.model.config import ModelConfig, saved_model_config
+
+    current = OmegaConf.to_container(OmegaConf.structured(ModelConfig))
+    old = {k: v for k, v in current.items() if k != "mlp_impl"}
+    old["fp8"] = {k: v for k, v in current["fp8"].items() if k != "mlp_impl"}
+    old["ngram"] = {k: v for k, v in current["ngram"].items() if k != "embed_impl"}
+    assert saved_model_config(old) == current
+    # a value that was saved is compared as it is: a run written with the kernel is not the reference's
+    kernel = {**current, "mlp_impl": "triton", "fp8": {**current["fp8"], "mlp_impl": "triton"}}
+    assert saved_model_config(kernel) == kernel != current

@@ -191,13 +191,25 @@ FP8_MLP_IMPLS = ("scaled_mm", "triton")  # the FP8 MLP's up-projection GEMMs (FP
 
 
 def saved_model_config(saved: dict) -> dict:
-    """A checkpoint's model config as this version compares it: a config saved before ``ngram`` existed had
-    no table, i.e. the default (disabled) ngram block."""
-    if isinstance(saved, dict) and "ngram" not in saved:
-        from omegaconf import OmegaConf
+    """A checkpoint's model config as this version compares it: every field added since it was written takes
+    its default, which is how the code that wrote it behaved (a field is added with the old behaviour as its
+    default: a config saved before ``ngram`` existed had no table, i.e. the disabled block; one saved before
+    an ``*_impl`` switch existed ran its reference)."""
+    if not isinstance(saved, dict):
+        return saved
+    from omegaconf import OmegaConf
 
-        return {**saved, "ngram": OmegaConf.to_container(OmegaConf.structured(NgramConfig))}
-    return saved
+    return _with_defaults(saved, OmegaConf.to_container(OmegaConf.structured(ModelConfig)))
+
+
+def _with_defaults(saved: dict, defaults: dict) -> dict:
+    out = dict(saved)
+    for key, value in defaults.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(out[key], dict):
+            out[key] = _with_defaults(out[key], value)
+    return out
 
 
 @dataclass
