@@ -6,6 +6,7 @@ import json
 import pytest
 
 from perf.bench_meta import check_bench_payload
+from tests.call_counts import count_calls
 from tests.perf_scripts import load_perf_script
 
 bench_mlp = load_perf_script("bench_mlp")
@@ -14,17 +15,7 @@ bench_mlp = load_perf_script("bench_mlp")
 def test_bench_mlp_writes_a_row_per_impl_and_pass_compared_with_the_reference(tmp_path, monkeypatch):
     from track_1_short.perf.kernels import relu2_mlp as kernels
 
-    calls = {"relu2_up": 0, "relu2_up_grad": 0}
-
-    def counting(name, fn):
-        def wrapper(*a, **k):
-            calls[name] += 1
-            return fn(*a, **k)
-
-        return wrapper
-
-    for name in calls:
-        monkeypatch.setattr(kernels, name, counting(name, getattr(kernels, name)))
+    calls = count_calls(monkeypatch, kernels, ("relu2_up", "relu2_up_grad"))
     out = tmp_path / "mlp.json"
     argv = ["--out", str(out), "--device", "cpu", "--tokens", "160", "--dim", "80", "--hidden", "272"]
     assert bench_mlp.main([*argv, "--warmup", "0", "--steps", "1"]) == 0

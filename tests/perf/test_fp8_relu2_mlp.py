@@ -14,6 +14,7 @@ import textwrap
 import pytest
 import torch
 
+from tests.call_counts import count_calls
 from tests.perf.compile_sm90 import compile_outside_the_interpreter
 from track_1_short.model import fp8
 from track_1_short.model.config import FP8Config, ModelConfig, ModelConfigError
@@ -119,15 +120,12 @@ def _exact_mlp_inputs():
 
 
 def test_the_fp8_mlp_on_the_fused_kernels_trains_as_on_scaled_mm_bit_for_bit(monkeypatch):
-    calls = []
-    for name in ("fp8_relu2_up", "fp8_relu2_up_grad"):
-        real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    calls = count_calls(monkeypatch, kernels, ("fp8_relu2_up", "fp8_relu2_up_grad"))
     x, w1, w2, g = _exact_mlp_inputs()
     want = _mlp("scaled_mm", x, w1, w2, g)
-    assert calls == []
+    assert sum(calls.values()) == 0
     got = _mlp("triton", x, w1, w2, g)
-    assert calls == ["fp8_relu2_up", "fp8_relu2_up_grad"]  # the fused path ran, once each way
+    assert calls == {"fp8_relu2_up": 1, "fp8_relu2_up_grad": 1}  # the fused path ran, once each way
     for name, a, b in zip(("out", "dx", "dw1", "dw2", "clips", "post_amax", "dpre_amax"), got, want):
         assert torch.equal(a, b), name
     assert want[4][0].sum() > 0 or want[4][1].sum() > 0  # counted operands

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.call_counts import count_calls
 from tests.model.conftest import load_config
 from tests.perf.compile_sm90 import compile_outside_the_interpreter
 from track_1_short.model.config import ModelConfig, ModelConfigError
@@ -99,14 +100,17 @@ def test_random_operands_are_within_the_accumulation_bound_of_the_exact_product(
     assert torch.equal(post, F.relu(pre).square())  # the epilogue on the kernel's own pre: exact
 
 
+def _trained(fn, x, w1, w2, grad) -> list[torch.Tensor]:
+    """fn(x, w1, w2) and the gradients of x, w1 and w2 for the output's gradient ``grad``."""
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    out = fn(*leaves)
+    out.backward(grad)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
 def test_the_op_trains_as_the_reference_mlp_bit_for_bit_where_the_gemms_are_exact():
     x, w1, w2, grad = _exact_case(12)
-    results = []
-    for fn in (relu2_mlp, fused_relu2_mlp):
-        leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
-        out = fn(*leaves)
-        out.backward(grad)
-        results.append([out.detach(), *(t.grad for t in leaves)])
+    results = [_trained(fn, x, w1, w2, grad) for fn in (relu2_mlp, fused_relu2_mlp)]
     for name, got, want in zip(("out", "x.grad", "w1.grad", "w2.grad"), results[1], results[0]):
         assert torch.equal(got, want), name
     with torch.no_grad():  # the evaluation op, which stores no pre
@@ -119,12 +123,7 @@ def test_the_op_compiles_whole_and_gives_the_eager_bits():
     torch._dynamo.reset()
     x, w1, w2, grad = _exact_case(16)
     compiled = torch.compile(fused_relu2_mlp, backend="aot_eager", fullgraph=True, dynamic=False)
-    results = []
-    for fn in (compiled, fused_relu2_mlp):
-        leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
-        out = fn(*leaves)
-        out.backward(grad)
-        results.append([out.detach(), *(t.grad for t in leaves)])
+    results = [_trained(fn, x, w1, w2, grad) for fn in (compiled, fused_relu2_mlp)]
     assert all(torch.equal(a, b) for a, b in zip(*results))
     torch._dynamo.reset()
 
@@ -132,17 +131,7 @@ def test_the_op_compiles_whole_and_gives_the_eager_bits():
 def test_the_models_switch_runs_each_mlp_through_the_kernels_once_each_way(monkeypatch):
     from track_1_short.model.gpt import GPT
 
-    calls = {"up": 0, "grad": 0}
-
-    def counting(key, fn):
-        def wrapper(*a, **k):
-            calls[key] += 1
-            return fn(*a, **k)
-
-        return wrapper
-
-    monkeypatch.setattr(kernels, "relu2_up", counting("up", kernels.relu2_up))
-    monkeypatch.setattr(kernels, "relu2_up_grad", counting("grad", kernels.relu2_up_grad))
+    calls = count_calls(monkeypatch, kernels, ("relu2_up", "relu2_up_grad"))
     g = torch.Generator().manual_seed(0)
     inp, tgt = torch.randint(1, 1024, (256,), generator=g).int(), torch.randint(0, 1024, (256,), generator=g)
     inp[[0, 100]] = 0
@@ -153,14 +142,14 @@ def test_the_models_switch_runs_each_mlp_through_the_kernels_once_each_way(monke
         m = GPT(load_config("tiny", vocab_size=1024, mlp_impl=impl))
         with torch.no_grad():  # c_proj starts at zero; give the down projection something to carry
             m.mlp_bank[:, 1].normal_(0, 0.02)
-        calls.update(up=0, grad=0)
+        calls.update(relu2_up=0, relu2_up_grad=0)
         loss = m(inp, tgt, cu, (1, 2))
         loss.backward()
         losses[impl] = loss.item()
         cfg = m.cfg
         n_mlp = cfg.num_layers - len(cfg.no_mlp_layers) + (cfg.parallel_mlp_layer >= 0)
         want = n_mlp if impl == "triton" else 0
-        assert calls == {"up": want, "grad": want}, impl
+        assert calls == {"relu2_up": want, "relu2_up_grad": want}, impl
     # the two differ only in the GEMMs' summation order (bf16 outputs one ulp apart at most)
     assert abs(losses["triton"] - losses["reference"]) <= 1e-2 * abs(losses["reference"])
 

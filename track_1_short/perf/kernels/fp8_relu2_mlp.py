@@ -42,6 +42,8 @@ from track_1_short.perf.kernels.relu2_mlp import (
     rounded_bf16,
     split_halves,
     store_bf16,
+    tile_count,
+    tile_origin,
 )
 
 # 128 x 256 output tiles, K in steps of 128 (FP8: the bytes of the bf16 kernel's 64), eight warps, three
@@ -120,12 +122,9 @@ def _fp8_relu2_gemm_kernel(
     q_scale = tl.load(q_scale_ptr)
     if tl.program_id(0) == 0:
         tl.atomic_add(clips_ptr + n_sites + site, M.to(tl.int64) * N)  # the elements seen
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles = tl.cdiv(M, BLOCK_M) * tiles_n
     half: tl.constexpr = BLOCK_N // 2
-    for tile in tl.range(tl.program_id(0), tiles, NUM_PROGRAMS, flatten=True):
-        m = (tile // tiles_n) * BLOCK_M
-        n = (tile % tiles_n) * BLOCK_N
+    for tile in tl.range(tl.program_id(0), tile_count(M, N, BLOCK_M, BLOCK_N), NUM_PROGRAMS, flatten=True):
+        m, n = tile_origin(tile, N, BLOCK_M, BLOCK_N)
         # both ways with Triton's FP8 accumulation on sm_90 (the tensor cores' accumulator over all of K, as
         # cuBLAS's use_fast_accum), as upstream's kernel: the gradient's exact-fp32 form (adds into a second
         # accumulator each K step) spilled 396 bytes of registers in this tile

@@ -120,6 +120,20 @@ def gemm_tile(
 
 
 @triton.jit
+def tile_count(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # output tiles of an [M, N] product
+    return tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+
+
+@triton.jit
+def tile_origin(tile, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # the first row and column of output tile ``tile``, in row-band order: the programs running at one time
+    # share a few bands of A, and B stays in L2
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    return (tile // tiles_n) * BLOCK_M, (tile % tiles_n) * BLOCK_N
+
+
+@triton.jit
 def split_halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # a [BLOCK_M, BLOCK_N] tile as its left and right [BLOCK_M, BLOCK_N / 2] halves (the epilogues run on
     # halves to bound their registers)
@@ -145,12 +159,9 @@ def _relu2_gemm_kernel(
 ):
     # acc = A @ B.T for A [M, K], B [N, K]; the forward: pre = acc, out = relu(pre)^2; the backward (A the
     # down projection's output gradient, B = W2 stored [hidden, D]): dpost = acc, out = dpre
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles = tl.cdiv(M, BLOCK_M) * tiles_n
     half: tl.constexpr = BLOCK_N // 2
-    for tile in tl.range(tl.program_id(0), tiles, NUM_PROGRAMS, flatten=True):
-        m = (tile // tiles_n) * BLOCK_M
-        n = (tile % tiles_n) * BLOCK_N
+    for tile in tl.range(tl.program_id(0), tile_count(M, N, BLOCK_M, BLOCK_N), NUM_PROGRAMS, flatten=True):
+        m, n = tile_origin(tile, N, BLOCK_M, BLOCK_N)
         acc = gemm_tile(a_desc, b_desc, m, n, K, BLOCK_M, BLOCK_N, BLOCK_K, AS_BITS)
         acc0, acc1 = split_halves(acc, BLOCK_M, BLOCK_N)
         _epilogue(acc0, pre_desc, out_desc, m, n, FORWARD, STORE_PRE, AS_BITS)
