@@ -115,6 +115,9 @@ def test_the_op_trains_as_the_reference_mlp_bit_for_bit_where_the_gemms_are_exac
         assert torch.equal(got, want), name
     with torch.no_grad():  # the evaluation op, which stores no pre
         assert torch.equal(fused_relu2_mlp(x, w1, w2), results[0][0])
+        # a strided view of x (a slice of a wider tensor, as a residual's channels) is the same input
+        wide = torch.cat([x, torch.zeros_like(x)], dim=1)[:, : x.shape[1]]
+        assert not wide.is_contiguous() and torch.equal(fused_relu2_mlp(wide, w1, w2), results[0][0])
 
 
 def test_the_op_compiles_whole_and_gives_the_eager_bits():

@@ -71,7 +71,8 @@ _mlp_op.register_autograd(_backward, setup_context=_setup)
 def fused_relu2_mlp(x: Tensor, c_fc: Tensor, c_proj: Tensor) -> Tensor:
     """layers.relu2_mlp on the fused kernels: relu(x @ c_fc.T)^2 @ c_proj for x [T, D] bf16 and c_fc, c_proj
     [hidden, D] (cast to x's dtype, as the reference casts them). CUDA, or a CPU under TRITON_INTERPRET=1."""
-    w1, w2 = c_fc.type_as(x), c_proj.type_as(x)
+    # TMA reads dense rows: a strided view is copied once here (a no-op for the model's tensors)
+    x, w1, w2 = x.contiguous(), c_fc.type_as(x).contiguous(), c_proj.type_as(x).contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad or w2.requires_grad):
         return _mlp_op(x, w1, w2)[0]
     return _mlp_eval_op(x, w1, w2)
