@@ -6,7 +6,7 @@
 
 Each run is ``python -m track_1_short.train experiment=record_1gpu seed=S`` plus the arm's overrides (one
 process per run, as a user runs it). On a machine with several GPUs the runs go side by side, one per GPU
-(``--gpus``, every visible GPU by default): 3 seeds of 5 arms take two rounds on 8 GPUs instead of 15 runs
+(``--gpus``, every visible GPU by default): 3 seeds of 6 arms take three rounds on 8 GPUs instead of 18 runs
 in a row. An arm turns one of the record's components off relative to the preset
 (or on, where the preset leaves it off: the ``fp8`` arm then says ``on``):
 
@@ -16,9 +16,9 @@ in a row. An arm turns one of the record's components off relative to the preset
   weights) off;
 - ``fp8``: the FP8 MLP, QKV and logits GEMMs flipped;
 - ``tail``: tail averaging off (every run also reports its last iterate's val loss, so the tail's val effect
-  is in every row; this arm prices its time).
-
-FlexAttention is the only attention kernel the stack has, so upstream's attention row has no arm here.
+  is in every row; this arm prices its time);
+- ``attention``: the attention kernel flipped between FlexAttention and flash-attn-4 (model.attention_impl
+  flex / fa4; the runs of this arm need the flash-attn-4 wheel).
 
 Rows, one per arm: the overrides, the seeds that finished, overall tokens/s (the run's own ``summary`` event)
 and final val loss (the one the record gate reads) as mean and sample standard deviation over the seeds, the
@@ -62,8 +62,9 @@ UPSTREAM = {  # upstream's ablation rows (record #92 README / PR #360), quoted a
     "net +8.40 s",
     "fp8": "fp8 extension (MLP + lm_head cache): wall +5.02 s, net +4.96 s",
     "tail": "tail averaging (EMA + tavg + blend): wall +0.52 s, val +20.2 mnats, net +3.82 s",
+    "attention": "FlashAttention-3 instead of FlexAttention (record #29): -4.3 s",
 }
-ARMS = ("all", "ngram", "ce_stack", "fp8", "tail")
+ARMS = ("all", "ngram", "ce_stack", "fp8", "tail", "attention")
 
 
 def gpu_slots(n: int | None) -> list[str | None]:
@@ -91,7 +92,8 @@ def preset_config(overrides: list[str]):
 
 
 def arm_overrides(arm: str, cfg) -> list[str]:
-    """The Hydra overrides that turn ``arm``'s component off (or, for fp8 where the preset has it off, on)."""
+    """The Hydra overrides that turn ``arm``'s component off (or, for fp8 where the preset has it off, on;
+    for attention, the other kernel)."""
     if arm == "all":
         return []
     if arm == "ngram":
@@ -108,6 +110,8 @@ def arm_overrides(arm: str, cfg) -> list[str]:
         return [f"model.fp8.{path}={on}" for path in ("mlp", "qkv", "lm_head")]
     if arm == "tail":
         return ["tail.enabled=false"]
+    if arm == "attention":
+        return ["model.attention_impl=" + ("flex" if cfg.model.attention_impl == "fa4" else "fa4")]
     raise ValueError(f"unknown arm {arm!r}: choose from {list(ARMS)}")
 
 
@@ -238,7 +242,6 @@ def main(argv: list[str] | None = None) -> int:
         "Deltas: arm's mean minus the all arm's mean (tokens/s in percent, val loss in millinats); "
         "sd: sample standard deviation over the seeds (None with one seed).",
         "upstream: record #92's ablation on 8 H100s (its README and PR #360), quoted as written.",
-        "FlexAttention is the stack's only attention kernel: upstream's attention row has no arm.",
         *args.note,
     ]
     devices = gpu_slots(args.gpus)

@@ -31,8 +31,9 @@
 #         scaling         perf/scaling.py (the preset through torchrun on 1 and all GPUs; skipped on one GPU)
 #                                                       -> perf/results/scaling.json
 #         ablation        perf/ablation.py (the preset, then each of the record's components off in turn;
-#                         ABLATION_ARGS="--arms all ngram --seeds 0": a subset; 3 seeds of 5 arms by default,
-#                         over an hour on one H100, two rounds of runs side by side on 8 GPUs)
+#                         ABLATION_ARGS="--arms all ngram --seeds 0": a subset; 3 seeds of 6 arms by default,
+#                         over an hour on one H100, three rounds of runs side by side on 8 GPUs; the attention
+#                         arm needs the flash-attn-4 wheels in .whl/, as the attention stage does)
 #                                                       -> perf/results/ablation.json
 #         results         perf/results.py               -> perf/RESULTS.md (from every JSON in perf/results/)
 # The image has torch, triton, numpy, scipy, matplotlib, tqdm and pytest, not hydra-core, omegaconf or

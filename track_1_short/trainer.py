@@ -419,9 +419,13 @@ class Trainer:
         offset = sampled_softmax.sweep_offset(step, g, n, p, self.model.topo.vocab_padded)
         return torch.tensor(offset, dtype=torch.int64).to(self.device, non_blocking=True)
 
-    def _window_tensor(self, windows) -> torch.Tensor:
-        """The (short, long) windows as a device tensor, one per distinct pair (uploaded once)."""
+    def _window_tensor(self, windows) -> torch.Tensor | tuple[int, int]:
+        """The (short, long) windows as a device tensor, one per distinct pair (uploaded once); with
+        model.attention_impl=fa4 as host ints, which flash-attn-4 takes (a graph per pair, each made in the
+        warmup, which runs every stage's first steps)."""
         key = tuple(int(w) for w in windows)
+        if self.cfg.model.attention_impl == "fa4":
+            return key
         if key not in self._window_tensors:
             self._window_tensors[key] = torch.tensor(key, dtype=torch.int64, device=self.device)
         return self._window_tensors[key]

@@ -32,6 +32,7 @@ def _components(cfg):
         "ce_stack": (cfg.model.prefix_targets, sampled),
         "fp8": (cfg.model.fp8.mlp, cfg.model.fp8.qkv, cfg.model.fp8.lm_head),
         "tail": cfg.tail.enabled,
+        "attention": cfg.model.attention_impl,
     }
 
 
@@ -46,6 +47,8 @@ def test_each_arm_changes_its_component_and_nothing_else(ablation, preset):
     off = {arm: _components(ablation.preset_config(ablation.arm_overrides(arm, preset)))[arm] for arm in base}
     assert off["ngram"] is False and off["tail"] is False and off["ce_stack"] == (False, False)
     assert len(set(off["fp8"])) == 1 and off["fp8"][0] != base["fp8"][0]  # all three flipped together
+    # the kernel the preset does not run: flash-attn-4 against the preset's FlexAttention, or back
+    assert {base["attention"], off["attention"]} in ({"auto", "fa4"}, {"fa4", "flex"})
 
 
 def test_an_arms_overrides_read_as_one_cell(ablation, preset):

@@ -12,6 +12,12 @@ Two paths compute it, chosen by ``ModelConfig.attention_impl``:
                blocks whose pairs are all visible are listed apart and skip the mask function
                (``ModelConfig.attention_full_blocks``, kv_block_lists_split).
                On the CPU FlexAttention runs unfused and forward only (tests use it there at small sizes).
+  "fa4"        flash-attn-4's varlen kernel (``flash_attn.cute``, the flash-attn-4 wheel; CUDA) on the layers
+               it runs: unpaired heads whose query/key and value widths agree; FlexAttention on the paired
+               64/128 layers, which it refuses. It takes the window as a host int, so the trainer passes the
+               windows as host ints (a graph per window pair, each made in the warmup at its stage's start),
+               and it runs outside the compiled graph (its own autograd function, called eagerly).
+               perf/RESULTS.md, "Attention kernel", has it against FlexAttention at the record's shapes.
 Upstream (record #92) runs a patched FlashAttention-3 varlen kernel instead, with the window semantics above.
 
 One layer (``causal_self_attention``): QKV from bank slices (scaled by sa_lambda[0]), QK-norm in fp32, partial
@@ -30,7 +36,7 @@ from torch import Tensor
 
 from track_1_short.model.layers import FP32_EPS, apply_rotary
 
-ATTENTION_IMPLS = ("auto", "reference", "flex")
+ATTENTION_IMPLS = ("auto", "reference", "flex", "fa4")
 
 
 # -- the mask ------------------------------------------------------------------------------------------------
@@ -216,6 +222,47 @@ def flex_attention_varlen(
     return y[0].transpose(0, 1)[:s]
 
 
+def _flash_attn_varlen(device: torch.device):
+    """flash-attn-4's varlen attention function for tensors on ``device``, or one clear error saying why not
+    and what to use instead."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception as e:  # an ImportError, or CuTeDSL failing to set up
+        raise RuntimeError(
+            f"model.attention_impl=fa4 needs flash-attn-4 (flash_attn.cute), which failed to import: "
+            f"{type(e).__name__}: {e}. Install it (pip install flash-attn-4) or use "
+            "model.attention_impl=flex."
+        ) from e
+    if device.type != "cuda":
+        raise RuntimeError(
+            f"model.attention_impl=fa4 runs on CUDA, got {device.type} tensors; use "
+            "model.attention_impl=auto."
+        )
+    return flash_attn_varlen_func
+
+
+@torch.compiler.disable
+def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int) -> Tensor:
+    """The attention through flash-attn-4's varlen kernel: q, k [S, h, d], v [S, h, dv], cu_seqlens int32
+    [docs + 1] (empty documents allowed), window a host int in tokens; q carries the softmax scale.
+
+    Outside the compiled graph (a graph break each side): the kernel is its own autograd function, which
+    Dynamo cannot trace. ``max_seqlen`` is the sequence's length, an upper bound that costs no host read of
+    the document lengths (the library's own default for it)."""
+    if not isinstance(window, int):
+        raise TypeError(
+            "model.attention_impl=fa4 takes the window as a host int, got "
+            f"{type(window).__name__}: pass the windows as ints (the trainer does with attention_impl=fa4)."
+        )
+    s = q.size(0)
+    q, k, v = (t.contiguous() for t in (q, k, v))  # v is a strided view of the QKV projection
+    out = _flash_attn_varlen(q.device)(
+        q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=s, max_seqlen_k=s,
+        softmax_scale=1.0, causal=True, window_size=(window, 0),
+    )  # fmt: skip
+    return out[0] if isinstance(out, tuple) else out  # some versions return (out, lse)
+
+
 def attend(
     q: Tensor,
     k: Tensor,
@@ -226,7 +273,8 @@ def attend(
     impl: str,
     full_blocks: bool = True,
 ) -> Tensor:
-    """Dispatch on ``impl`` ("auto": flex on CUDA, reference elsewhere); ``full_blocks`` goes to flex.
+    """Dispatch on ``impl`` ("auto": flex on CUDA, reference elsewhere; "fa4" reaches here for the layers
+    flash-attn-4 does not run, which take flex); ``full_blocks`` goes to flex.
 
     Inside a compiled model FlexAttention is traced into the model's graph (Inductor lowers it with the block
     mask built in the same graph), so a forward is one graph per micro-batch shape: new documents, and windows
@@ -234,7 +282,7 @@ def attend(
     """
     if impl == "auto":
         impl = "flex" if q.is_cuda else "reference"
-    if impl == "flex":
+    if impl in ("flex", "fa4"):
         return flex_attention_varlen(q, k, v, doc_ids, window, block, full_blocks)
     return reference_attention(q, k, v, doc_ids, window, block)
 
@@ -273,9 +321,11 @@ class PackedSequence:
     block: int
     """Query block size of the reference path and FlexAttention's block size (tokens)."""
     impl: str
-    """"auto", "reference" or "flex"."""
+    """"auto", "reference", "flex" or "fa4"."""
     full_blocks: bool = True
     """FlexAttention's mask lists the all-visible key blocks apart (ModelConfig.attention_full_blocks)."""
+    cu_seqlens: Tensor | None = None
+    """int32 [docs + 1]: the documents' boundaries (flash-attn-4's varlen input; None: not needed)."""
 
 
 def causal_self_attention(
@@ -334,7 +384,10 @@ def causal_self_attention(
     positions = torch.arange(q.size(0), device=x.device)
     q = (apply_rotary(q, positions, freq) * attn_scale).to(x.dtype)
     k = apply_rotary(k, positions, freq).to(x.dtype)
-    y = attend(q, k, v, doc_ids, window, seq.block, seq.impl, seq.full_blocks)  # [S, h', dv]
+    if seq.impl == "fa4" and not spec.paired and dq == dv:  # the layers flash-attn-4 runs
+        y = flash_attention_varlen(q, k, v, seq.cu_seqlens, window)
+    else:
+        y = attend(q, k, v, doc_ids, window, seq.block, seq.impl, seq.full_blocks)  # [S, h', dv]
     y = y.reshape(t, h, dv)
     if spec.xsa and xsa_alpha is not None:
         v = v.reshape(t, h, dv)

@@ -350,7 +350,9 @@ class ModelConfig:
     yarn_beta: float = 32.0
     """YaRN: frequencies turning more times than this are kept."""
     attention_impl: str = "auto"
-    """"auto" (FlexAttention on CUDA, the reference path elsewhere), "reference" or "flex"."""
+    """"auto" (FlexAttention on CUDA, the reference path elsewhere), "reference", "flex" or "fa4"
+    (flash-attn-4 on the unpaired layers of equal query/key and value widths, FlexAttention on the others;
+    CUDA with the flash-attn-4 wheel; the windows enter as host ints: model/attention.py)."""
     attention_full_blocks: bool = True
     """FlexAttention only: its block mask lists the key blocks whose pairs are all visible apart, so the
     kernel skips the mask function on them (faster, same mask; the compiled kernels' sums differ in rounding).

@@ -582,6 +582,7 @@ class GPT(nn.Module):
             cfg.block_size,
             cfg.attention_impl,
             cfg.attention_full_blocks,
+            cu_seqlens.to(torch.int32) if cfg.attention_impl == "fa4" else None,
         )
         if isinstance(windows, Tensor):  # device values: one graph for every window of a compiled model
             window_tokens = tuple((windows.long() * cfg.block_size).unbind())
