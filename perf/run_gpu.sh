@@ -190,7 +190,8 @@ preset() {  # the one-GPU record preset through the trainer, then its figures (p
 # (off in the presets) with its one-pass quantise, with the torch-op reference of it, and with the MLP's
 # quantises in its GEMMs' epilogues; the n-gram table's sorted fold, its one-kernel embedding, and the table
 # off (what the table costs, kernel by kernel and idle stretch by idle stretch); the bf16 ReLU^2 MLP with its
-# activation in the GEMM epilogues.
+# activation in the GEMM epilogues; the NaN guard off (what its one host read a step costs in idle device
+# time).
 default_levers='bank_graphs=optim.bank_graphs=true
 bank_eager=optim.bank_update=eager
 replicated_reference=optim.replicated_impl=reference
@@ -200,7 +201,8 @@ fp8_fused_mlp=model.fp8.mlp=true model.fp8.qkv=true model.fp8.lm_head=true model
 ngram_fold=model.ngram.fold_impl=triton
 ngram_embed=model.ngram.embed_impl=triton
 ngram_off=model.ngram.enabled=false
-mlp=model.mlp_impl=triton'
+mlp=model.mlp_impl=triton
+nan_off=guards.nan_policy=off'
 
 levers() {
   local arms=() line
