@@ -70,11 +70,16 @@ def test_compiled_steps_lower_the_loss_from_the_first_step_and_match_eager(tmp_p
     assert abs(compiled.val_loss - eager.val_loss) <= 0.03 * eager.val_loss
 
 
-def test_the_timed_loop_makes_no_graph_over_the_record_schedules_shapes(tmp_path):
+@pytest.mark.parametrize("attention", ["auto", "fa4"])
+def test_the_timed_loop_makes_no_graph_over_the_record_schedules_shapes(tmp_path, attention):
     # The one-GPU record schedule's five geometries on the tiny model, 6 steps a stage: its three micro-batch
     # shapes (32,768 / 49,152 / 40,960 tokens, here one or two micro batches a step instead of 4-8, which
     # changes no graph), its windows, MTP counts and ramps, the extension and the embed split. The warmup runs
     # the representative steps; the timed loop meets MTP ramp values and loader batches the warmup never saw.
+    # With flash-attn-4 the windows enter as host ints: a graph per window pair, each made in the warmup at
+    # its stage's start, and graph breaks around its layers.
+    if attention == "fa4":
+        pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed on this machine")
     stages = ",".join(
         f"{{steps:6,batch_tokens:{b},max_doc_len:{d},window_short:{ws},window_long:{wl},mtp_weights:{m}"
         + (f",mtp_weights_end:{e}" if e else "")
@@ -94,6 +99,7 @@ def test_the_timed_loop_makes_no_graph_over_the_record_schedules_shapes(tmp_path
         "schedule.split_embed_step=25",
         "data.synthetic.train_tokens=4194304",
         "data.synthetic.shard_tokens=2097152",
+        f"model.attention_impl={attention}",
     )
     ev = events(result.run_dir)
     end = next(e for e in ev if e["event"] == "end")  # the run's summary event follows it
@@ -105,7 +111,8 @@ def test_the_timed_loop_makes_no_graph_over_the_record_schedules_shapes(tmp_path
     growth = [
         line.strip() for line in (result.run_dir / "log.txt").read_text().splitlines() if "graphs so" in line
     ]
-    assert 3 <= end["graphs"] <= 4 * 3, (end["graphs"], growth)
+    if attention == "auto":
+        assert 3 <= end["graphs"] <= 4 * 3, (end["graphs"], growth)
     warm = [e for e in ev if e["event"] == "phase" and e["name"] == "warmup"]
     assert warm and warm[0]["graphs"] == end["graphs"]
 
