@@ -35,6 +35,13 @@ def packed_batch(doc_lens: list[int], seed: int = 0, vocab: int = 50257):
     return stream[:-1].to(torch.int32), stream[1:].to(torch.int64), cu
 
 
+def needs_fp8_gpu() -> None:
+    """Skip the calling GPU test on a card without FP8 tensor cores (an FP8 GEMM needs compute capability
+    8.9+)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU with FP8 tensor cores (compute capability 8.9+)")
+
+
 @pytest.fixture(scope="module")
 def tiny_fp32() -> GPT:
     """The tiny preset computing in fp32 (bf16/fp32 storage as always), seeded."""

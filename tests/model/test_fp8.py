@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.model.conftest import load_config
+from tests.model.conftest import load_config, needs_fp8_gpu
 from track_1_short.model import fp8 as fp8_mod
 from track_1_short.model.config import FP8Config
 from track_1_short.model.fp8 import E4M3, E5M2, SITE, FP8State
@@ -496,16 +496,11 @@ def test_the_trainer_refreshes_the_copies_once_per_optimizer_update(tmp_path):
 # -- GPU: torch._scaled_mm against the emulation -------------------------------------------------------------
 
 
-def _needs_fp8_gpu():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("needs a GPU with FP8 tensor cores (compute capability 8.9+)")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("fast_accum", [False, True])
 @pytest.mark.parametrize("fmts", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
 def test_scaled_mm_agrees_with_the_emulation(fast_accum, fmts):
-    _needs_fp8_gpu()
+    needs_fp8_gpu()
     gen = torch.Generator(device="cuda").manual_seed(0)
     m, k, n = 512, 768, 1152
     a = _q(torch.randn(m, k, device="cuda", generator=gen), 1 / 64, fmts[0])
@@ -526,7 +521,7 @@ def test_scaled_mm_agrees_with_the_emulation(fast_accum, fmts):
 
 @pytest.mark.gpu
 def test_scaled_mm_mlp_and_qkv_agree_with_their_emulation():
-    _needs_fp8_gpu()
+    needs_fp8_gpu()
     x, w1, w2, g = (t.cuda() for t in _data(t=256, d=768, hidden=2816, seed=9))
     g_qkv = torch.randn(256, 1152, generator=torch.Generator().manual_seed(10)).bfloat16().cuda()
     res = {}
@@ -552,7 +547,7 @@ def test_scaled_mm_mlp_and_qkv_agree_with_their_emulation():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mlp_impl", ["scaled_mm", "triton"])
 def test_the_compiled_fp8_model_trains_as_the_eager_one_on_cuda(mlp_impl):
-    _needs_fp8_gpu()
+    needs_fp8_gpu()
     from track_1_short.model.gpt import GPT
 
     inp, tgt, cu = (t.cuda() for t in _batch())

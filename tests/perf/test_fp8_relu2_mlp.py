@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.call_counts import count_calls
+from tests.model.conftest import needs_fp8_gpu
 from tests.perf.compile_sm90 import compile_outside_the_interpreter
 from track_1_short.model import fp8
 from track_1_short.model.config import FP8Config, ModelConfig, ModelConfigError
@@ -210,8 +211,7 @@ def test_the_kernels_compile_for_the_h100_with_tma_and_fp8_tensor_core_instructi
 
 @pytest.mark.gpu
 def test_gpu_the_fused_fp8_mlp_agrees_with_scaled_mm_at_the_record_shapes():
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 GEMMs need an sm_89+ GPU")
+    needs_fp8_gpu()
     g = torch.Generator(device="cuda").manual_seed(5)
     x = torch.nn.functional.rms_norm(torch.randn(8192, 768, device="cuda", generator=g), (768,)).bfloat16()
     w1 = (torch.randn(2816, 768, device="cuda", generator=g) * 768**-0.5).bfloat16()
