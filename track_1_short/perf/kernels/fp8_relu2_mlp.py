@@ -36,9 +36,9 @@ from track_1_short.perf.kernels.fp8_quantize import grid_constants, on_fp8_grid
 from track_1_short.perf.kernels.interpreter import check_device as _check_device
 from track_1_short.perf.kernels.interpreter import runs_interpreted
 from track_1_short.perf.kernels.relu2_mlp import (
-    INTERPRETED_PROGRAMS,
     gemm_tile,
     load_tile,
+    persistent_programs,
     rounded_bf16,
     split_halves,
     store_bf16,
@@ -171,15 +171,10 @@ def _launch(a, b, pre, q, qt, scales, amax, clips, site, clip_at, forward: bool)
     m, k = a.shape
     n = b.shape[0]
     fmt = q.dtype
-    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
-    sms = (
-        INTERPRETED_PROGRAMS
-        if _INTERPRETED
-        else torch.cuda.get_device_properties(a.device).multi_processor_count
-    )
+    sms = persistent_programs(a.device, _INTERPRETED)
     bf = (lambda t: t.view(torch.int16)) if _INTERPRETED else (lambda t: t)  # the interpreter: bf16 as bits
     half = [BLOCK_M, BLOCK_N // 2]
-    _fp8_relu2_gemm_kernel[(min(tiles, sms),)](
+    _fp8_relu2_gemm_kernel[(min(triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N), sms),)](
         TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K]),
         TensorDescriptor.from_tensor(b, [BLOCK_N, BLOCK_K]),
         TensorDescriptor.from_tensor(bf(pre), half),

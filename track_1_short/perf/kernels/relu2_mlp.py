@@ -189,17 +189,22 @@ def _desc(t: torch.Tensor, block: list[int], as_bits: bool) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t.view(torch.int16) if as_bits else t, block)
 
 
+def persistent_programs(device: torch.device, interpreted: bool) -> int:
+    """The persistent kernels' program stride: one program an SM (a few under the interpreter, which has no
+    SMs to fill); the grid is the fewer of this and the tiles."""
+    if interpreted:
+        return INTERPRETED_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _launch(a, b, pre, out, forward: bool, store_pre: bool, as_bits: bool) -> None:
     m, k = a.shape
     n = b.shape[0]
     if m == 0:
         return
-    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
-    sms = (
-        INTERPRETED_PROGRAMS if as_bits else torch.cuda.get_device_properties(a.device).multi_processor_count
-    )
+    sms = persistent_programs(a.device, as_bits)
     half = [BLOCK_M, BLOCK_N // 2]
-    _relu2_gemm_kernel[(min(tiles, sms),)](
+    _relu2_gemm_kernel[(min(triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N), sms),)](
         _desc(a, [BLOCK_M, BLOCK_K], as_bits),
         _desc(b, [BLOCK_N, BLOCK_K], as_bits),
         _desc(pre, half, as_bits),
